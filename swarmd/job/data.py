@@ -1,0 +1,197 @@
+"""Training data and its order: the same (seed, step, microbatch) gives the same samples everywhere.
+
+A dataset is one long token stream, either text files read as bytes by the byte-level tokenizer or a
+nanoGPT `.bin` file (raw little-endian uint16, memory-mapped). Sample i is the window of `seq_len`
+tokens at `i * seq_len` with its next-token targets. Each epoch is a seeded permutation of the
+samples cut into whole global batches (the remainder is skipped, a different one each epoch), so the
+samples of a step are always distinct; step s's batch is split in order into microbatches whose ids
+are stable, which is what lets stage peers refuse a duplicate and lets a single-process reference
+see exactly the samples the swarm saw.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from swarmd.job.errors import DataError, SpecError
+
+if TYPE_CHECKING:
+    from swarmd.job.spec import BatchSpec, DataSpec
+
+# Text files are loaded into memory; past this, pre-tokenize them into a memory-mapped `.bin` file.
+MAX_TEXT_BYTES = 1 << 30
+STDLIB_PLACEHOLDER = "{stdlib}"
+TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin layout
+
+
+class ByteTokenizer:
+    """Bytes are tokens: no vocabulary file to ship, and any file is valid input."""
+
+    vocab = 256
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def decode(self, tokens: np.ndarray | torch.Tensor | list[int]) -> bytes:
+        return bytes(np.asarray(tokens, dtype=np.uint8))
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where a spec's data lives on this machine: text files, or one token file."""
+
+    files: tuple[Path, ...] = ()
+    tokens: Path | None = None
+
+
+def expand_path(pattern: str, base_dir: Path) -> str:
+    """`{stdlib}` becomes Python's standard library directory; relative paths start at `base_dir`."""
+    pattern = pattern.replace(STDLIB_PLACEHOLDER, sysconfig.get_paths()["stdlib"])
+    return str(Path(base_dir, os.path.expanduser(pattern)))
+
+
+def resolve_sources(data: "DataSpec", base_dir: str | Path) -> Sources:
+    """The concrete files behind a data spec; raises `SpecError` naming the field when any is missing."""
+    base = Path(base_dir)
+    if data.tokens is not None:
+        path = Path(expand_path(data.tokens, base))
+        if not path.is_file():
+            raise SpecError("data.tokens", f"{path} is not a file")
+        return Sources(tokens=path)
+    found: set[Path] = set()
+    for pattern in data.files or ():
+        matches = [Path(p) for p in glob.glob(expand_path(pattern, base), recursive=True)]
+        files = [p for p in matches if p.is_file()]
+        if not files:
+            raise SpecError("data.files", f"{pattern!r} matches no files (from {base})")
+        found.update(files)
+    return Sources(files=tuple(sorted(found)))
+
+
+def read_tokens(sources: Sources, max_text_bytes: int = MAX_TEXT_BYTES) -> np.ndarray:
+    """The whole token stream: uint8 bytes of the files in path order, or the memory-mapped .bin."""
+    if sources.tokens is not None:
+        size = sources.tokens.stat().st_size
+        if size % TOKEN_DTYPE.itemsize or size == 0:
+            raise SpecError("data.tokens", f"{sources.tokens} is {size} bytes, not a whole number of uint16 tokens")
+        return np.memmap(sources.tokens, dtype=TOKEN_DTYPE, mode="r")
+    total = sum(path.stat().st_size for path in sources.files)
+    if total > max_text_bytes:
+        raise SpecError("data.files", f"{total} bytes of text exceed max_text_bytes ({max_text_bytes}); "
+                                      "pre-tokenize into a .bin file for data.tokens")
+    stream = np.empty(total, dtype=np.uint8)
+    offset = 0
+    for path in sources.files:
+        chunk = ByteTokenizer().encode(path.read_bytes())[: total - offset]
+        stream[offset: offset + len(chunk)] = chunk
+        offset += len(chunk)
+    return stream[:offset]
+
+
+class TokenDataset:
+    """Sample i: tokens [i*T, (i+1)*T) as inputs, shifted by one as targets."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, vocab: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.vocab = vocab
+        self.num_samples = max(0, (len(tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (B, T) int64 for sample indices (B,)."""
+        T = self.seq_len
+        if len(indices) and not 0 <= int(np.min(indices)) <= int(np.max(indices)) < self.num_samples:
+            raise DataError(f"sample index outside 0..{self.num_samples - 1}")
+        windows = np.stack([np.asarray(self.tokens[i * T: i * T + T + 1], dtype=np.int64) for i in indices])  # (B, T+1)
+        if windows.size and int(windows.max()) >= self.vocab:
+            raise DataError(f"token id {int(windows.max())} is outside the model's vocabulary ({self.vocab})")
+        batch = torch.from_numpy(windows)
+        return batch[:, :-1], batch[:, 1:]
+
+
+class BatchSampler:
+    """Which samples form microbatch m of step s, from the seed alone."""
+
+    def __init__(self, num_samples: int, global_samples: int, microbatch_samples: int, seed: int) -> None:
+        if num_samples < global_samples:
+            raise SpecError("batch.global_samples", f"is {global_samples}, but the data holds only "
+                                                    f"{num_samples} samples of data.seq_len tokens")
+        self.num_samples = num_samples
+        self.global_samples = global_samples
+        self.microbatch_samples = microbatch_samples
+        self.microbatches_per_step = global_samples // microbatch_samples
+        self.steps_per_epoch = num_samples // global_samples
+        self.seed = seed
+        self._permutations: dict[int, np.ndarray] = {}
+
+    def step_indices(self, step: int) -> np.ndarray:
+        """The global batch of `step`: `global_samples` distinct sample indices, (G,)."""
+        if step < 0:
+            raise ValueError(f"step must not be negative, got {step}")
+        epoch, within = divmod(step, self.steps_per_epoch)
+        start = within * self.global_samples
+        return self._permutation(epoch)[start: start + self.global_samples].copy()  # callers may mutate
+
+    def microbatch_indices(self, step: int, microbatch: int) -> np.ndarray:
+        if not 0 <= microbatch < self.microbatches_per_step:
+            raise ValueError(f"microbatch must be in 0..{self.microbatches_per_step - 1}, got {microbatch}")
+        start = microbatch * self.microbatch_samples
+        return self.step_indices(step)[start: start + self.microbatch_samples]
+
+    def microbatch_id(self, step: int, microbatch: int) -> int:
+        """A job-wide id for (step, microbatch): what stage peers deduplicate on."""
+        return step * self.microbatches_per_step + microbatch
+
+    def split_id(self, microbatch_id: int) -> tuple[int, int]:
+        return divmod(microbatch_id, self.microbatches_per_step)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._permutations:
+            # Keep two epochs: consecutive steps straddle at most one boundary.
+            while len(self._permutations) >= 2:
+                self._permutations.pop(min(self._permutations))
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
+            self._permutations[epoch] = rng.permutation(self.num_samples)
+        return self._permutations[epoch]
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    id: int
+    step: int
+    index: int
+    sample_indices: np.ndarray
+    inputs: torch.Tensor  # (B, T) int64 token ids
+    targets: torch.Tensor  # (B, T) int64 next-token ids
+
+
+class TrainingData:
+    """A job's dataset and order together: what a trainer (or the reference) pulls microbatches from."""
+
+    def __init__(self, dataset: TokenDataset, batch: "BatchSpec", seed: int) -> None:
+        self.dataset = dataset
+        self.sampler = BatchSampler(len(dataset), batch.global_samples, batch.microbatch_samples, seed)
+
+    def microbatch(self, step: int, index: int) -> Microbatch:
+        indices = self.sampler.microbatch_indices(step, index)
+        inputs, targets = self.dataset.samples(indices)
+        return Microbatch(self.sampler.microbatch_id(step, index), step, index, indices, inputs, targets)
+
+
+def open_training_data(data: "DataSpec", batch: "BatchSpec", vocab: int, seed: int, base_dir: str | Path,
+                       max_text_bytes: int = MAX_TEXT_BYTES) -> TrainingData:
+    tokens = read_tokens(resolve_sources(data, base_dir), max_text_bytes)
+    return TrainingData(TokenDataset(tokens, data.seq_len, vocab), batch, seed)

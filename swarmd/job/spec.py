@@ -1,0 +1,252 @@
+"""The job spec: one TOML file says what to train, on what data, how, and how to ship tensors.
+
+Its canonical form (every default filled in, keys sorted, msgpack) is what gets published in the DHT
+and hashed, with the submitter's public key, into the job id: two submitters of the same file get
+two jobs, and no field can change without the id changing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import msgpack
+
+from swarmd.job.data import resolve_sources
+from swarmd.job.errors import SpecError
+from swarmd.model.config import ConfigError, parse_table, parse_value, table_to_dict
+from swarmd.model.registry import UnknownArchitecture, get_architecture
+
+# A spec is a few hundred bytes; this bounds what a DHT record or a file can make us parse.
+MAX_SPEC_BYTES = 64 * 1024
+JOB_ID_DOMAIN = b"swarmd/job/v1\0"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_MAX_SEED = 2**63 - 1  # msgpack and torch generators both take it
+
+Codec = Literal["none", "fp16", "lz4", "fp16+lz4", "int8"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    config: Any  # the architecture's frozen config dataclass
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Either text `files` (globs; `{stdlib}` is Python's stdlib dir; relative to the spec file)
+    read as bytes, or a nanoGPT `.bin` file of little-endian uint16 `tokens`."""
+
+    seq_len: int
+    files: tuple[str, ...] | None = None
+    tokens: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ConfigError("seq_len", "must be at least 1")
+        if (self.files is None) == (self.tokens is None):
+            raise ConfigError("files", "give exactly one of data.files and data.tokens")
+        if self.files is not None and not self.files:
+            raise ConfigError("files", "must list at least one pattern")
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    global_samples: int
+    microbatch_samples: int
+
+    def __post_init__(self) -> None:
+        for name in ("global_samples", "microbatch_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be at least 1")
+        if self.global_samples % self.microbatch_samples:
+            raise ConfigError("global_samples", f"{self.global_samples} is not a multiple of "
+                                                f"batch.microbatch_samples ({self.microbatch_samples})")
+
+    @property
+    def microbatches_per_step(self) -> int:
+        return self.global_samples // self.microbatch_samples
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    name: Literal["adamw", "lamb", "sgd"] = "adamw"
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.1  # never applied to norms and biases
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # where cosine and linear decay end, at the job's last step
+    clip_norm: float = 1.0  # on each stage's averaged gradient; 0 turns clipping off
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("lr", 0 < self.lr < math.inf, "must be positive and finite"),
+            ("betas", all(0 <= b < 1 for b in self.betas), "must each be in [0, 1)"),
+            ("eps", self.eps > 0, "must be positive"),
+            ("momentum", 0 <= self.momentum < 1, "must be in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, "must not be negative"),
+            ("warmup_steps", self.warmup_steps >= 0, "must not be negative"),
+            ("min_lr", 0 <= self.min_lr <= self.lr, "must be in [0, optim.lr]"),
+            ("clip_norm", self.clip_norm >= 0, "must not be negative (0 turns clipping off)"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ConfigError(name, message)
+
+
+@dataclass(frozen=True)
+class WireSpec:
+    """Codecs for the activations (forward) and gradients (backward) that cross the network."""
+
+    activations: Codec = "fp16+lz4"
+    gradients: Codec = "fp16+lz4"
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    stages: int = 1
+    microbatches_in_flight: int = 4  # per trainer: enough to keep every stage busy
+    delayed_updates: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ConfigError("stages", "must be at least 1")
+        if self.microbatches_in_flight < 1:
+            raise ConfigError("microbatches_in_flight", "must be at least 1")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    every_steps: int = 100  # 0: never
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("every_steps", "must not be negative (0: never)")
+
+
+_SECTIONS: dict[str, type] = {"data": DataSpec, "batch": BatchSpec, "optim": OptimSpec, "wire": WireSpec,
+                              "pipeline": PipelineSpec, "checkpoint": CheckpointSpec}
+_REQUIRED = ("name", "steps", "model", "data", "batch")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    steps: int
+    model: ModelSpec
+    data: DataSpec
+    batch: BatchSpec
+    seed: int = 0
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    wire: WireSpec = field(default_factory=WireSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "JobSpec":
+        """Validate a spec table (from TOML or from `to_dict`); raises `SpecError` naming the field."""
+        try:
+            return _parse(raw)
+        except SpecError:
+            raise
+        except ConfigError as exc:
+            raise SpecError(exc.field, exc.message) from None
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> "JobSpec":
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError("<spec>", f"{len(data)} bytes exceeds MAX_SPEC_BYTES ({MAX_SPEC_BYTES})")
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise SpecError("<spec>", f"not a msgpack spec: {exc}") from None
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical form: every default filled in, keys sorted, only msgpack-able values."""
+        out = table_to_dict({name: getattr(self, name) for name in ("name", "seed", "steps", *_SECTIONS)})
+        out["model"] = dict(sorted({"arch": self.model.arch, **table_to_dict(self.model.config)}.items()))
+        return dict(sorted(out.items()))
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    def job_id(self, submitter_public_key: bytes) -> bytes:
+        """32 bytes naming this job of this submitter; a hex form is what users type."""
+        return hashlib.sha256(JOB_ID_DOMAIN + self.to_msgpack() + bytes(submitter_public_key)).digest()
+
+
+def parse_toml(text: str) -> JobSpec:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError("<toml>", str(exc)) from None
+    return JobSpec.from_dict(raw)
+
+
+def load_spec(path: str | Path, check_data: bool = True) -> JobSpec:
+    """Read a spec file; with `check_data`, also make sure its data exists (relative paths and globs
+    are taken from the spec file's directory), as a submitter must before publishing it."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_SPEC_BYTES:
+            raise SpecError("<spec>", f"{path} is {size} bytes, over MAX_SPEC_BYTES ({MAX_SPEC_BYTES})")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError("<spec>", f"cannot read {path}: {exc}") from None
+    spec = parse_toml(text)
+    if check_data:
+        resolve_sources(spec.data, path.parent)
+    return spec
+
+
+def _parse(raw: Any) -> JobSpec:
+    if not isinstance(raw, Mapping):
+        raise SpecError("<spec>", "must be a table")
+    known = {"name", "seed", "steps", "model", *_SECTIONS}
+    for key in raw:
+        if key not in known:
+            raise SpecError(str(key), f"unknown key (known: {', '.join(sorted(known))})")
+    for key in _REQUIRED:
+        if key not in raw:
+            raise SpecError(key, "is required")
+    name = parse_value(raw["name"], str, "name")
+    if not _NAME.fullmatch(name):
+        raise SpecError("name", "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    seed = parse_value(raw.get("seed", 0), int, "seed")
+    if not 0 <= seed <= _MAX_SEED:
+        raise SpecError("seed", f"must be in [0, {_MAX_SEED}]")
+    steps = parse_value(raw["steps"], int, "steps")
+    if steps < 1:
+        raise SpecError("steps", "must be at least 1")
+    sections = {key: parse_table(cls, raw.get(key, {}), key) for key, cls in _SECTIONS.items()}
+    model = _parse_model(raw["model"], sections["data"])
+    return JobSpec(name=name, seed=seed, steps=steps, model=model, **sections)
+
+
+def _parse_model(raw: Any, data: DataSpec) -> ModelSpec:
+    if not isinstance(raw, Mapping):
+        raise SpecError("model", "must be a table")
+    if "arch" not in raw:
+        raise SpecError("model.arch", "is required")
+    arch_name = parse_value(raw["arch"], str, "model.arch")
+    try:
+        arch = get_architecture(arch_name)
+    except UnknownArchitecture as exc:
+        raise SpecError("model.arch", str(exc)) from None
+    try:
+        config = arch.parse_config({k: v for k, v in raw.items() if k != "arch"}, data.seq_len)
+    except ConfigError as exc:
+        raise SpecError(f"model.{exc.field}", exc.message) from None
+    if data.files is not None and config.vocab < 256:
+        raise SpecError("model.vocab", f"is {config.vocab}, but byte-level text needs at least 256")
+    return ModelSpec(arch_name, config)

@@ -1,0 +1,101 @@
+"""One stage's optimizer step on a gradient sum: divide by the samples, clip, schedule, step.
+
+Stage peers sum parameter gradients over the microbatches they served, all-reduce those sums, and
+then call `StageOptimizer.step(total_samples)`; the single-process reference calls the very same
+method on its own sums, so the two can only differ by floating-point summation order. Clipping is
+per stage, on the averaged gradient: a global norm across stages would need a cross-stage exchange
+every step, and SWARM's stages step independently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from swarmd.job.spec import OptimSpec
+from swarmd.optim.lamb import Lamb
+from swarmd.optim.schedule import lr_at
+
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: keeps the scale finite for a zero norm
+
+
+class NonFiniteGradient(ArithmeticError):
+    """The averaged gradient holds inf or nan; the step was not taken and parameters are unchanged."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int  # the step just taken (0-based)
+    lr: float
+    grad_norm: float  # of the averaged gradient, before clipping
+    clipped: bool
+
+
+def param_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Matrices and embeddings decay; norms and biases (every tensor under 2-D) do not: decaying a
+    LayerNorm gain toward 0 or a bias toward 0 only fights the model."""
+    decay, no_decay = [], []
+    for _, p in named_parameters:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optim: OptimSpec) -> torch.optim.Optimizer:
+    groups = param_groups(named_parameters, optim.weight_decay)
+    if optim.name == "adamw":
+        # foreach=False: one code path on every peer and in the reference, whatever the device.
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=False)
+    if optim.name == "lamb":
+        return Lamb(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
+    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, foreach=False)
+
+
+class StageOptimizer:
+    """The optimizer, its LR schedule and clipping for one stage module; `step_count` steps taken."""
+
+    def __init__(self, module: nn.Module, optim: OptimSpec, total_steps: int) -> None:
+        self.module = module
+        self.spec = optim
+        self.total_steps = total_steps
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(module.named_parameters(), optim)
+        self.step_count = 0
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return lr_at(self.spec, self.total_steps, self.step_count)
+
+    @torch.no_grad()
+    def step(self, sample_count: int) -> StepReport:
+        """Turn the accumulated gradient *sums* into the mean over `sample_count` samples, clip,
+        step, and clear the gradients; a non-finite gradient raises before anything changes."""
+        if sample_count < 1:
+            raise ValueError(f"sample_count must be at least 1, got {sample_count}")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            raise ValueError("no gradients accumulated for this step")
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        if not math.isfinite(norm):
+            raise NonFiniteGradient(f"gradient norm is {norm} at step {self.step_count}")
+        norm /= sample_count
+        scale = 1.0 / sample_count
+        clipped = bool(self.spec.clip_norm) and norm > self.spec.clip_norm
+        if clipped:
+            scale *= self.spec.clip_norm / (norm + CLIP_EPS)
+        for g in grads:
+            g.mul_(scale)
+        lr = self.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        report = StepReport(self.step_count, lr, norm, clipped)
+        self.step_count += 1
+        return report

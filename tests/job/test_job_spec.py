@@ -1,0 +1,159 @@
+"""Job spec validation: every bad spec is refused with a SpecError naming the offending field."""
+
+import copy
+import tomllib
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from swarmd.job import JobSpec, SpecError, load_spec, parse_toml
+from swarmd.model import TransformerConfig
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-lm.toml"
+
+
+def minimal() -> dict:
+    return {
+        "name": "t",
+        "steps": 3,
+        "model": {"arch": "transformer-lm", "d_model": 32, "n_heads": 4},
+        "data": {"files": ["data/*.txt"], "seq_len": 16},
+        "batch": {"global_samples": 8, "microbatch_samples": 4},
+    }
+
+
+def with_(path: str, value) -> dict:
+    raw = minimal()
+    *parents, leaf = path.split(".")
+    table = raw
+    for key in parents:
+        table = table.setdefault(key, {})
+    table[leaf] = value
+    return raw
+
+
+def test_minimal_spec_fills_defaults():
+    spec = JobSpec.from_dict(minimal())
+    assert spec.seed == 0 and spec.pipeline.stages == 1
+    assert spec.wire.activations == "fp16+lz4" and spec.wire.gradients == "fp16+lz4"
+    assert spec.optim.name == "adamw" and spec.optim.betas == (0.9, 0.95)
+    assert isinstance(spec.model.config, TransformerConfig)
+    assert spec.model.config.d_ff == 128 and spec.model.config.max_seq_len == 16
+    assert spec.batch.microbatches_per_step == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field", "words"),
+    [
+        ("model.arch", "no-such-arch", "model.arch", "unknown architecture"),
+        ("pipeline.stages", 0, "pipeline.stages", "at least 1"),
+        ("batch.global_samples", 10, "batch.global_samples", "multiple"),
+        ("optim.colour", 1, "optim.colour", "unknown key"),
+        ("flavour", "x", "flavour", "unknown key"),
+        ("model.d_modle", 1, "model.d_modle", "unknown key"),
+        ("steps", "10", "steps", "integer"),
+        ("seed", True, "seed", "integer"),
+        ("optim.lr", "fast", "optim.lr", "number"),
+        ("optim.lr", float("inf"), "optim.lr", "finite"),
+        ("optim.weight_decay", float("nan"), "optim.weight_decay", "negative"),
+        ("optim.betas", [0.9], "optim.betas", "2 items"),
+        ("optim.name", "adam", "optim.name", "one of"),
+        ("optim.schedule", "step", "optim.schedule", "one of"),
+        ("wire.activations", "zstd", "wire.activations", "one of"),
+        ("pipeline.delayed_updates", 1, "pipeline.delayed_updates", "true or false"),
+        ("model.n_heads", 5, "model.n_heads", "divide"),
+        ("model.dropout", 0.1, "model.dropout", "recomputes"),
+        ("model.vocab", 100, "model.vocab", "256"),
+        ("model.max_seq_len", 8, "model.max_seq_len", "seq_len"),
+        ("data.tokens", "x.bin", "data.files", "exactly one"),
+        ("data.seq_len", 0, "data.seq_len", "at least 1"),
+        ("optim.min_lr", 1.0, "optim.min_lr", "optim.lr"),
+        ("checkpoint.every_steps", -1, "checkpoint.every_steps", "negative"),
+        ("name", "has space", "name", "letters"),
+        ("batch", 3, "batch", "table"),
+    ],
+)
+def test_bad_field_is_named(path, value, field, words):
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict(with_(path, value))
+    assert info.value.field == field
+    assert words in str(info.value)
+    assert str(info.value).startswith(field + ":")
+
+
+@pytest.mark.parametrize("missing", ["name", "steps", "model", "data", "batch"])
+def test_missing_required_section(missing):
+    raw = minimal()
+    del raw[missing]
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict(raw)
+    assert info.value.field == missing
+
+
+def test_missing_arch_and_required_model_key():
+    raw = minimal()
+    del raw["model"]["arch"]
+    with pytest.raises(SpecError, match=r"^model\.arch: is required"):
+        JobSpec.from_dict(raw)
+    raw = minimal()
+    del raw["model"]["d_model"]
+    with pytest.raises(SpecError, match=r"^model\.d_model: is required"):
+        JobSpec.from_dict(raw)
+
+
+def test_missing_data_files_are_refused_on_load(tmp_path):
+    (tmp_path / "job.toml").write_text(EXAMPLE.read_text().replace('"{stdlib}/*.py"', '"nothing/*.txt"'))
+    with pytest.raises(SpecError) as info:
+        load_spec(tmp_path / "job.toml")
+    assert info.value.field == "data.files" and "nothing/*.txt" in str(info.value)
+    # A daemon that only serves stages never reads the data: it can skip the check.
+    assert load_spec(tmp_path / "job.toml", check_data=False).name == "tiny-lm"
+
+
+def test_missing_token_file_is_refused_on_load(tmp_path):
+    text = EXAMPLE.read_text().replace('files = ["{stdlib}/*.py"]', 'tokens = "train.bin"')
+    (tmp_path / "job.toml").write_text(text)
+    with pytest.raises(SpecError, match=r"^data\.tokens: .*train\.bin is not a file"):
+        load_spec(tmp_path / "job.toml")
+
+
+def test_bad_toml_is_a_spec_error():
+    with pytest.raises(SpecError, match="<toml>"):
+        parse_toml("name = ")
+
+
+def test_example_spec_loads():
+    spec = load_spec(EXAMPLE)
+    assert spec.pipeline.stages == 3 and spec.data.files == ("{stdlib}/*.py",)
+
+
+def test_msgpack_round_trip_and_canonical_form():
+    spec = load_spec(EXAMPLE, check_data=False)
+    again = JobSpec.from_msgpack(spec.to_msgpack())
+    assert again == spec
+    assert again.to_msgpack() == spec.to_msgpack()
+    # Writing a default explicitly, or an int for a float, does not change the canonical form.
+    raw = tomllib.loads(EXAMPLE.read_text())
+    raw["optim"]["lr"] = 3e-3
+    raw["pipeline"]["microbatches_in_flight"] = 4
+    raw["optim"]["clip_norm"] = 1
+    assert JobSpec.from_dict(raw).to_msgpack() == spec.to_msgpack()
+    assert list(spec.to_dict()) == sorted(spec.to_dict())
+    assert list(spec.to_dict()["model"]) == sorted(spec.to_dict()["model"])
+
+
+def test_from_msgpack_refuses_garbage_and_oversize():
+    with pytest.raises(SpecError, match="msgpack"):
+        JobSpec.from_msgpack(b"\xc1")
+    with pytest.raises(SpecError, match="MAX_SPEC_BYTES"):
+        JobSpec.from_msgpack(msgpack.packb({"name": "x" * 70000}))
+
+
+def test_job_id_depends_on_spec_and_submitter():
+    spec = JobSpec.from_dict(minimal())
+    alice, bob = b"a" * 32, b"b" * 32
+    assert spec.job_id(alice) == JobSpec.from_dict(copy.deepcopy(minimal())).job_id(alice)
+    assert len(spec.job_id(alice)) == 32
+    assert spec.job_id(alice) != spec.job_id(bob)
+    assert spec.job_id(alice) != JobSpec.from_dict(with_("seed", 1)).job_id(alice)
