@@ -1,0 +1,1 @@
+"""Gossiped load view and the pure rebalancing policy shared by the daemon and the simulator."""

@@ -1,0 +1,1 @@
+"""Discrete-event simulator of stage assignment under preemption; runs swarmd.rebalance.policy."""

@@ -1,0 +1,143 @@
+"""The rebalancing policy on hand-made views: pure function calls, no clock, no network."""
+
+import pytest
+
+from swarmd.rebalance.policy import (
+    PolicyConfig, PolicyState, choose_join_stage, jitter_factor, move_plan, plan,
+)
+from swarmd.rebalance.table import DRAINING, JOINING, SERVING, PeerLoad, StageTable
+
+CONFIG = PolicyConfig(period_s=300.0, jitter=0.5, confirm_after_s=10.0, margin=0.01)
+
+
+def table_of(sizes, speed=1.0, stages=None):
+    """A table with sizes[s] serving peers of `speed` on stage s; peer ids b"s<stage>p<i>"."""
+    rows = [PeerLoad(f"s{s}p{i}".encode(), s, speed) for s, n in enumerate(sizes) for i in range(n)]
+    return StageTable(stages or len(sizes), rows)
+
+
+def decide_twice(table, me, now=1000.0):
+    """A check then its confirming check on the same view: the move the peer makes, if any."""
+    first = plan(table, me, now, PolicyState(), CONFIG)
+    second = plan(table, me, first.next_check_at, first.state, CONFIG)
+    return first, second
+
+
+def test_obvious_bottleneck_moves_one_peer_after_confirmation():
+    table = table_of([4, 1, 2])
+    movers = [pid for pid in table.by_id if decide_twice(table, pid)[1].move_to is not None]
+    assert len(movers) == 1
+    assert movers[0].startswith(b"s0")
+    first, second = decide_twice(table, movers[0])
+    assert first.move_to is None and first.state.pending_stage == 1  # hysteresis: not on the first check
+    assert first.next_check_at == pytest.approx(1000.0 + CONFIG.confirm_after_s)
+    assert second.move_to == 1 and second.state == PolicyState()
+
+
+def test_balanced_swarm_never_moves():
+    table = table_of([3, 3, 3])
+    for pid in table.by_id:
+        first, second = decide_twice(table, pid)
+        assert first.move_to is None and second.move_to is None
+        assert first.state == PolicyState() and first.reason == "balanced"
+
+
+def test_only_peer_of_a_stage_never_moves_even_when_much_faster():
+    rows = [PeerLoad(b"fast", 0, 10.0), PeerLoad(b"slow", 1, 1.0)]
+    table = StageTable(2, rows)
+    assert move_plan(table, CONFIG.margin).moves == {}
+    empty_neighbour = StageTable(2, [PeerLoad(b"alone", 0, 1.0)])
+    assert decide_twice(empty_neighbour, b"alone")[1].move_to is None
+
+
+def test_two_candidates_for_one_gap_exactly_one_moves():
+    table = table_of([3, 1])
+    moved = [pid for pid in table.by_id if decide_twice(table, pid)[1].move_to is not None]
+    assert moved == [b"s0p0"]  # lowest id: every peer derives the same choice from the same view
+
+
+def test_as_many_movers_as_the_deficit_needs():
+    table = table_of([5, 1])  # 5/1 -> 3/3 needs exactly two movers
+    moved = sorted(pid for pid in table.by_id if decide_twice(table, pid)[1].move_to == 1)
+    assert moved == [b"s0p0", b"s0p1"]
+
+
+def test_peers_already_joining_fill_the_gap_once():
+    table = table_of([3, 1])
+    table.put(PeerLoad(b"s0p0", 1, 1.0, JOINING))  # one already on its way: 2 serving + 2 expected
+    assert move_plan(table, CONFIG.margin).moves == {}
+
+
+def test_gain_below_margin_does_not_move():
+    table = table_of([101, 99], stages=2)  # one move lifts 99 to 100: +1.0%, not more than 1%
+    assert move_plan(table, 0.011).moves == {}
+    assert len(move_plan(table, 0.005).moves) == 1
+
+
+def test_flapping_view_never_moves():
+    """The strong stage's peers are named for stage 1, then stage 2, then nothing, alternately."""
+    weak1 = table_of([4, 1, 2])
+    weak2 = table_of([4, 2, 1])
+    even = table_of([3, 2, 2])
+    me, state, now = b"s0p0", PolicyState(), 0.0
+    for view in [weak1, weak2, weak1, even, weak2, weak1, weak2] * 5:
+        decision = plan(view, me, now, state, CONFIG)
+        assert decision.move_to is None
+        state, now = decision.state, decision.next_check_at
+
+
+def test_mixed_speeds_pick_the_peer_that_evens_the_pair():
+    rows = [PeerLoad(b"a", 0, 5.0), PeerLoad(b"b", 0, 2.0), PeerLoad(b"c", 0, 3.0), PeerLoad(b"d", 1, 1.0)]
+    shared = move_plan(StageTable(2, rows), CONFIG.margin)  # 10 vs 1: a gives 5|6, c 7|4, b 8|3
+    assert list(shared.moves) == [b"a"] and shared.after == 5.0
+
+
+def test_max_moves_bounds_the_plan():
+    assert len(move_plan(table_of([40, 1]), 0.0, max_moves=3).moves) == 3
+
+
+def test_new_peer_joins_the_bottleneck():
+    assert choose_join_stage(table_of([3, 1, 2])) == 1
+    tied = table_of([1, 2, 1])
+    assert {choose_join_stage(tied, f"new{i}".encode()) for i in range(40)} == {0, 2}
+
+
+def test_plan_is_a_pure_function_of_its_inputs():
+    a, b = table_of([4, 1, 2]), table_of([4, 1, 2])
+    for pid in a.by_id:
+        assert plan(a, pid, 5.0, PolicyState(), CONFIG) == plan(b, pid, 5.0, PolicyState(), CONFIG)
+
+
+def test_checks_are_jittered_within_bounds_and_spread():
+    factors = [jitter_factor(f"p{i}".encode(), 100.0, 0.5) for i in range(200)]
+    assert all(0.5 <= f <= 1.5 for f in factors)
+    assert max(factors) - min(factors) > 0.8
+
+
+def test_memoised_plan_is_dropped_when_the_table_changes():
+    table = table_of([3, 1])
+    assert len(move_plan(table, 0.01).moves) == 1
+    table.put(PeerLoad(b"late", 1, 1.0, SERVING))
+    assert move_plan(table, 0.01).moves == {}
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError):
+        PolicyConfig(jitter=1.0)
+    with pytest.raises(ValueError):
+        PolicyConfig(period_s=0)
+    with pytest.raises(ValueError):
+        StageTable(2, [PeerLoad(b"x", 2, 1.0)])
+
+
+def test_table_sums_follow_state_changes_and_leave_no_residue():
+    table = StageTable(2)
+    table.put(PeerLoad(b"a", 0, 0.1))
+    table.put(PeerLoad(b"b", 0, 0.2, DRAINING))
+    table.put(PeerLoad(b"a", 1, 0.1, JOINING))  # a moves: leaves stage 0, expected on stage 1
+    assert table.serving == [0.0, 0.0] and table.expected == [0.0, 0.1]
+    table.put(PeerLoad(b"a", 1, 0.1))
+    assert table.serving == [0.0, 0.1] and table.throughput() == 0.0
+    table.remove(b"b")
+    table.remove(b"a")
+    assert table.serving == [0.0, 0.0] and table.expected == [0.0, 0.0] and not table.by_id
