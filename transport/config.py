@@ -1,0 +1,63 @@
+"""RpcConfig: every knob of a connection in one frozen object, each default with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .identity import Identity
+from .limits import KiB, MiB, Limits
+from .sockopts import SocketOptions
+
+
+@dataclass(frozen=True)
+class RpcConfig:
+    limits: Limits = field(default_factory=Limits)
+    # Ed25519 identity proven in the hello; None is anonymous (the local Unix control socket).
+    identity: Identity | None = None
+    # Shared secret of a private swarm; both ends must hold the same one or the hello fails.
+    swarm_key: bytes | None = None
+    # Small dict sent in our hello (e.g. {"announce": "203.0.113.5:7000"}); bounded by the hello size.
+    app: dict[str, Any] = field(default_factory=dict)
+    socket: SocketOptions = field(default_factory=SocketOptions)
+    # A TCP connect across the world takes < 1 s; 10 s covers SYN retransmits on a lossy path.
+    connect_timeout_s: float = 10.0
+    # The hello is one round trip plus two signatures; a peer that cannot finish it in 10 s is
+    # either gone or stalling us on purpose, and holds a slot until then.
+    handshake_timeout_s: float = 10.0
+    # PING when nothing was sent for this long; drop the connection when nothing at all arrived for
+    # heartbeat_timeout_s. A stopped peer is thus found within ~10 s even with a healthy TCP session.
+    heartbeat_interval_s: float = 2.5
+    heartbeat_timeout_s: float = 10.0
+    # Used by Pool.call/stream when the caller passes no timeout: a call never waits forever.
+    default_timeout_s: float = 60.0
+    # Handlers running at once on one connection; more is refused with code "overloaded" before any
+    # task is created, so a peer cannot make us spawn without bound.
+    max_concurrent_handlers: int = 4096
+    # Calls outstanding at once on one connection from our side; more wait for a slot.
+    max_pending_calls: int = 4096
+    # Bytes the event-loop transport may hold beyond the kernel before the writer waits: with
+    # TCP_NOTSENT_LOWAT this is the whole of what a small frame can find queued ahead of it.
+    write_buffer_bytes: int = 256 * KiB
+    # Tensors with more payload bytes than this are encoded/decoded in a worker thread; below it the
+    # executor hop (~50 us) costs more than the work.
+    offload_threshold_bytes: int = 1 * MiB
+    # Completed messages received but not yet taken by a handler or a stream consumer; past it we
+    # stop reading the socket (TCP then pushes back on the sender) until the application catches up.
+    max_undelivered_bytes: int = 256 * MiB
+    # Seconds a closing connection waits for queued frames to leave before it aborts.
+    close_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "handshake_timeout_s", "heartbeat_interval_s", "default_timeout_s",
+                     "close_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RpcConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("RpcConfig.heartbeat_timeout_s must exceed heartbeat_interval_s, or every "
+                             "quiet peer would be dropped between two pings")
+        for name in ("max_concurrent_handlers", "max_pending_calls", "write_buffer_bytes", "max_undelivered_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RpcConfig.{name} must be at least 1, got {getattr(self, name)!r}")
+        if self.swarm_key is not None and len(self.swarm_key) < 16:
+            raise ValueError("RpcConfig.swarm_key must be at least 16 bytes of secret")

@@ -1,0 +1,104 @@
+"""RpcServer: accept connections on TCP or a Unix socket and serve a Router on each.
+
+The server owns its connections (and through them every handler task); `close()` stops accepting,
+asks each connection to go away, lets running handlers finish within `close_timeout_s`, then
+cancels the rest, in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from .config import RpcConfig
+from .connection import Admit, Connection
+from .message import Router
+
+log = logging.getLogger(__name__)
+
+
+class RpcServer:
+    def __init__(self, router: Router, config: RpcConfig, admit: Admit | None) -> None:
+        self._router, self._config, self._admit = router, config, admit
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[Connection] = set()
+        self._unix_path: str | None = None
+        self.address: Any = None
+
+    @classmethod
+    async def serve_tcp(
+        cls,
+        router: Router,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        config: RpcConfig = RpcConfig(),
+        admit: Admit | None = None,
+    ) -> "RpcServer":
+        """Listen on host:port (port 0 picks a free one; see `.port`)."""
+        self = cls(router, config, admit)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._make_connection, host, port, reuse_address=True)
+        self.address = self._server.sockets[0].getsockname()[:2]
+        return self
+
+    @classmethod
+    async def serve_unix(
+        cls,
+        router: Router,
+        path: str | os.PathLike | None = None,
+        sock: socket.socket | None = None,
+        config: RpcConfig = RpcConfig(),
+        admit: Admit | None = None,
+    ) -> "RpcServer":
+        """Listen on a Unix socket at `path`, or on an already bound `sock` (systemd socket
+        activation hands us one); admission can use `RemoteInfo.peercred`."""
+        if (path is None) == (sock is None):
+            raise ValueError("serve_unix takes exactly one of path= and sock=")
+        self = cls(router, config, admit)
+        loop = asyncio.get_running_loop()
+        if path is not None:
+            self._unix_path = str(Path(path))
+            self._server = await loop.create_unix_server(self._make_connection, path=self._unix_path)
+            self.address = f"unix:{self._unix_path}"
+        else:
+            self._server = await loop.create_unix_server(self._make_connection, sock=sock)
+            self.address = f"unix:{sock.getsockname()}"
+        return self
+
+    @property
+    def port(self) -> int | None:
+        return self.address[1] if isinstance(self.address, tuple) else None
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    def _make_connection(self) -> Connection:
+        conn = Connection(
+            self._config,
+            initiator=False,
+            router=self._router,
+            admit=self._admit,
+            on_closed=self._connections.discard,
+        )
+        self._connections.add(conn)
+        return conn
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        connections = list(self._connections)
+        if connections:
+            await asyncio.gather(*(conn.close() for conn in connections))
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._unix_path is not None:
+            try:
+                os.unlink(self._unix_path)
+            except FileNotFoundError:
+                pass
+            self._unix_path = None

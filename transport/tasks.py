@@ -1,0 +1,60 @@
+"""A supervised set of tasks: every task the transport starts has an owner that cancels it.
+
+A connection spawns a task per incoming request and cannot use one `async with TaskGroup()` scope
+(its lifetime is driven by protocol callbacks, not by one coroutine), so it owns a TaskSet instead:
+tasks remove themselves when done, an unexpected exception is logged rather than lost, and
+`aclose()` cancels whatever is left and waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from .errors import TransportError
+
+log = logging.getLogger(__name__)
+
+
+class TaskSet:
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self._owner} is closed; cannot start {name}")
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self._owner}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def cancel_all(self, msg: str) -> None:
+        """Stop accepting tasks and cancel the running ones (from a callback: no await needed)."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel(msg)
+
+    async def aclose(self, msg: str = "owner closed") -> None:
+        self.cancel_all(msg)
+        current = asyncio.current_task()
+        pending = [t for t in self._tasks if t is not current]
+        if pending:
+            await asyncio.wait(pending)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def _reap(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        # Transport errors (a dial that failed, a peer that vanished) are expected and reach whoever
+        # awaited the task; anything else is a bug and must not vanish silently.
+        level = logging.DEBUG if isinstance(exc, TransportError) else logging.ERROR
+        log.log(level, "%s: task %s failed", self._owner, task.get_name(), exc_info=exc)
