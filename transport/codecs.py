@@ -27,8 +27,7 @@ from transport.limits import KiB, Limits
 if sys.byteorder != "little":  # the wire carries raw little-endian tensor bytes
     raise ImportError("transport.codecs supports little-endian hosts only")
 
-CODECS = ("none", "fp16", "lz4", "fp16+lz4", "int8")
-DEFAULT_CODEC = "fp16+lz4"
+from transport.codec_names import CODECS, DEFAULT_CODEC
 
 LZ4_MIN_GAIN = 0.10
 """Compress only if it saves at least this fraction of the bytes: below it, lz4 costs more CPU on

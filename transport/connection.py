@@ -21,12 +21,9 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import sockopts
-from .codecs import buffer_count, decode_tensor, encode_tensor
 from .config import RpcConfig
 from .errors import (
     ConnectionLost,
@@ -44,6 +41,9 @@ from .message import Message, RemoteInfo, Request, Router
 from .outbox import Budget, Outbox, payload_bytes
 from .tasks import TaskSet
 from .wire import ID, VERSION, Frame, FrameDecoder, Kind, Piece, encode_frame, encode_message
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -776,6 +776,8 @@ def _check_reply(method: str, reply: object) -> Message:
 
 
 def _encode_all(tensors: list[torch.Tensor], codec: str) -> tuple[list[dict], list]:
+    from .codecs import encode_tensor  # deferred: torch loads only once a tensor is sent
+
     metas, buffers = [], []
     for tensor in tensors:
         meta, bufs = encode_tensor(tensor, codec)
@@ -788,6 +790,8 @@ def _decode_all(metas: list, buffers: list, limits: Limits) -> list[torch.Tensor
     """Split the frame's buffers among its tensors (codecs.buffer_count says how many each takes)."""
     if len(metas) > len(buffers) + limits.max_buffers_per_frame:
         raise MalformedFrame("more tensors announced than the frame can carry")
+    if metas:
+        from .codecs import buffer_count, decode_tensor  # deferred: torch loads only for tensors
     tensors, start = [], 0
     for meta in metas:
         count = buffer_count(meta)

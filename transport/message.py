@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .codecs import DEFAULT_CODEC
+from .codec_names import DEFAULT_CODEC
 from .errors import LocalProtocolError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
