@@ -1,0 +1,57 @@
+"""`swarmd`: parse flags, build the one Config, run the daemon, turn its outcome into an exit status.
+
+Bad configuration is the operator's mistake, not a crash: it gets one line on stderr naming the file
+(or variable, or flag) and the key, and exit status 2, the same status argparse uses for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Sequence
+
+from swarmd import config as configuration
+from swarmd.exitcodes import EXIT_CONFIG, EXIT_OK
+
+
+def package_version() -> str:
+    try:
+        return version("swarmd")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="swarmd",
+        description="The swarmd peer daemon: one per machine, joins a swarm that trains models together.",
+    )
+    p.add_argument(
+        "--config", metavar="FILE",
+        help=f"TOML config file [{configuration.CONFIG_ENV}; default {configuration.DEFAULT_CONFIG_FILE} when present]",
+    )
+    configuration.add_flags(p)
+    p.add_argument("--version", action="version", version=f"swarmd {package_version()}")
+    p.add_argument("--check-config", action="store_true", help="validate, print the effective config, exit")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = configuration.load(args, os.environ)
+    except configuration.ConfigError as exc:
+        print(f"swarmd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        sys.stdout.write(configuration.to_toml(config))
+        return EXIT_OK
+    from swarmd.daemon import run
+
+    return run(config, reload=lambda: configuration.load(args, os.environ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,579 @@
+"""One frozen, nested configuration, built once from defaults, a TOML file, `SWARMD_*` variables and flags.
+
+Every setting is declared exactly once, as a dataclass field whose metadata carries its kind, its
+reason and (optionally) its command-line flag; the TOML keys, the environment names
+(`SWARMD_<SECTION>_<KEY>`), the flags, `--check-config` output and the example file's coverage test
+are all derived from that one declaration, so an option cannot drift between its four spellings.
+
+Precedence is flag > environment > file > default. A bad value anywhere raises `ConfigError`, which
+names where it came from and which key, so the CLI can print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from swarmd.dht.config import DHTConfig
+
+DEFAULT_CONFIG_FILE = Path("/etc/swarmd/swarmd.toml")
+CONFIG_ENV = "SWARMD_CONFIG"
+ENV_PREFIX = "SWARMD_"
+SOCKET_NAME = "swarmd.sock"
+
+
+class ConfigError(Exception):
+    """A setting could not be accepted; `source` is a file path, an environment name or a flag."""
+
+    def __init__(self, source: str, key: str, message: str) -> None:
+        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+        self.source, self.key, self.message = source, key, message
+
+
+@dataclass(frozen=True, order=True)
+class Address:
+    """A `host:port` pair; IPv6 hosts are written in brackets (`[::1]:7420`)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+_ADDRESS = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>[0-9]{1,5})$")
+
+
+def parse_address(text: str, *, allow_port_zero: bool = False) -> Address:
+    """Parse `host:port`; port 0 (let the OS choose) only makes sense for addresses we listen on."""
+    match = _ADDRESS.match(text.strip())
+    if not match:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    port = int(match["port"])
+    if port > 65535 or (port == 0 and not allow_port_zero):
+        raise ValueError(f"port must be in 1..65535, got {port} in {text!r}")
+    return Address(match["v6"] or match["host"], port)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kinds: how one setting is read from TOML (typed) and from a flag or variable (text).
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Parses a value of one setting; `from_toml` receives a TOML value, `from_text` a string."""
+
+    name: str
+    from_text: Callable[[str], Any]
+    from_toml: Callable[[Any], Any]
+    to_toml: Callable[[Any], Any] = lambda v: v
+
+
+def _typed(expected: type | tuple[type, ...], label: str, then: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) and bool not in (expected if isinstance(expected, tuple) else (expected,)):
+            raise ValueError(f"expected {label}, got a boolean")
+        if not isinstance(value, expected):
+            raise ValueError(f"expected {label}, got {type(value).__name__} {value!r}")
+        return then(value)
+
+    return check
+
+
+def _number(low: float, cast: type) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        value = cast(value)
+        if value < low:
+            raise ValueError(f"must be at least {low}, got {value}")
+        return value
+
+    return check
+
+
+def _int_text(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+        return _number(low, int)(value)
+
+    return parse
+
+
+def _float_text(low: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        return _number(low, float)(value)
+
+    return parse
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def _bool_text(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE | _FALSE:
+        return lowered in _TRUE
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _choice(choices: Sequence[str]) -> Kind:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return Kind("|".join(choices), parse, _typed(str, "a string", parse))
+
+
+def _device(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]{1,3}", text):
+        return text
+    raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def _optional_address(text: str) -> Address | None:
+    return parse_address(text) if text.strip() else None
+
+
+def _optional_listen(text: str) -> Address | None:
+    return parse_address(text, allow_port_zero=True) if text.strip() else None
+
+
+def _address_list(text: str) -> tuple[Address, ...]:
+    return tuple(parse_address(part) for part in text.split(",") if part.strip())
+
+
+def _address_list_toml(value: Any) -> tuple[Address, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of \"HOST:PORT\" strings, got {value!r}")
+    return tuple(parse_address(v) for v in value)
+
+
+def _path(text: str) -> Path:
+    if not text:
+        raise ValueError("expected a path, got an empty string")
+    return Path(text)
+
+
+def _int_kind(low: int) -> Kind:
+    return Kind("N", _int_text(low), _typed(int, "an integer", _number(low, int)))
+
+
+def _float_kind(low: float) -> Kind:
+    return Kind("N", _float_text(low), _typed((int, float), "a number", _number(low, float)))
+
+
+BOOL = Kind("boolean", _bool_text, _typed(bool, "true or false", bool))
+PATH = Kind("PATH", _path, _typed(str, "a path string", _path), str)
+LISTEN = Kind(
+    "HOST:PORT",
+    lambda t: parse_address(t, allow_port_zero=True),
+    _typed(str, "a \"HOST:PORT\" string", lambda t: parse_address(t, allow_port_zero=True)),
+    str,
+)
+OPTIONAL_ADDRESS = Kind(
+    "HOST:PORT or empty", _optional_address, _typed(str, "a \"HOST:PORT\" string", _optional_address),
+    lambda v: "" if v is None else str(v),
+)
+OPTIONAL_LISTEN = Kind(
+    "HOST:PORT or empty", _optional_listen, _typed(str, "a \"HOST:PORT\" string", _optional_listen),
+    lambda v: "" if v is None else str(v),
+)
+ADDRESSES = Kind("list of HOST:PORT", _address_list, _address_list_toml, lambda v: [str(a) for a in v])
+def _string_set_toml(value: Any) -> frozenset[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of strings, got {value!r}")
+    return frozenset(value)
+
+
+STRING_SET = Kind(
+    "list of names", lambda t: frozenset(p.strip() for p in t.split(",") if p.strip()), _string_set_toml, sorted,
+)
+DEVICE = Kind("auto|cpu|cuda|cuda:N", _device, _typed(str, "a string", _device))
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+
+
+def setting(default: Any, kind: Kind, why: str, *, flag: str | None = None, derived: bool = False) -> Any:
+    """Declare one setting: its default, its kind, the reason for the default, its flag if any.
+
+    `derived` marks defaults computed from the environment at load time (paths that depend on
+    systemd's directory variables); the declared default is then only a placeholder.
+    """
+    return field(default=default, metadata={"kind": kind, "why": why, "flag": flag, "derived": derived})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The configuration itself.
+
+
+@dataclass(frozen=True)
+class DaemonSection:
+    state_dir: Path = setting(
+        Path("/var/lib/swarmd"), PATH,
+        "identity key and checkpoints; $STATE_DIRECTORY under systemd, else /var/lib/swarmd when "
+        "writable, else ~/.local/state/swarmd", flag="--state-dir", derived=True,
+    )
+    device: str = setting("auto", DEVICE, "auto picks cuda when a GPU is visible, else cpu", flag="--device")
+    drain_timeout_s: float = setting(
+        20.0, _float_kind(0.0),
+        "a spot VM gets about 30 s notice; 20 s leaves room to withdraw announcements and flush state",
+        flag="--drain-timeout",
+    )
+
+
+@dataclass(frozen=True)
+class NetworkSection:
+    listen: Address = setting(
+        Address("0.0.0.0", 7420), LISTEN, "where peers reach this daemon; port 0 lets the OS choose",
+        flag="--listen",
+    )
+    announce: Address | None = setting(
+        None, OPTIONAL_ADDRESS,
+        "the address other peers should dial when it differs from listen (NAT, 0.0.0.0); empty = listen",
+        flag="--announce",
+    )
+    bootstrap: tuple[Address, ...] = setting(
+        (), ADDRESSES, "known peers to join through; none makes this the first node of a new swarm",
+        flag="--bootstrap",
+    )
+    require_bootstrap: bool = setting(
+        False, BOOL, "exit instead of running alone when no bootstrap peer answers", flag="--require-bootstrap",
+    )
+    bootstrap_retry_initial_s: float = setting(
+        1.0, _float_kind(0.01), "first retry soon: the bootstrap peer is often just starting too",
+    )
+    bootstrap_retry_max_s: float = setting(
+        60.0, _float_kind(0.01), "cap the backoff so a swarm that comes back is rejoined within a minute",
+    )
+    require_bootstrap_timeout_s: float = setting(
+        30.0, _float_kind(0.1), "with require_bootstrap, how long to keep retrying before giving up",
+    )
+
+
+@dataclass(frozen=True)
+class ControlSection:
+    socket: Path = setting(
+        Path("/run/swarmd/swarmd.sock"), PATH,
+        "$RUNTIME_DIRECTORY/swarmd.sock under systemd, else /run/swarmd/swarmd.sock when writable, "
+        "else $XDG_RUNTIME_DIR/swarmd/swarmd.sock", flag="--socket", derived=True,
+    )
+    max_connections: int = setting(
+        64, _int_kind(1), "local clients are few; a cap stops a runaway script from exhausting fds",
+    )
+
+
+@dataclass(frozen=True)
+class PeersSection:
+    ping_interval_s: float = setting(
+        2.0, _float_kind(0.05), "how often every known peer is pinged to refresh its last-seen time",
+    )
+    liveness_window_s: float = setting(
+        10.0, _float_kind(0.1),
+        "a peer unheard of for this long is reported dead; several ping intervals so one lost ping "
+        "on a slow link does not flap it",
+    )
+    ping_timeout_s: float = setting(3.0, _float_kind(0.05), "a ping slower than this counts as lost")
+    discovery_interval_s: float = setting(
+        30.0, _float_kind(0.1),
+        "a lookup of our own id this often: Kademlia learns of peers only through traffic, so a quiet "
+        "swarm would otherwise not hear of a newcomer until a bucket refresh (minutes)",
+    )
+    max_peers_reported: int = setting(
+        1024, _int_kind(1), "bounds the peers reply; the routing table may know more",
+    )
+
+
+@dataclass(frozen=True)
+class LogSection:
+    level: str = setting("info", _choice(LOG_LEVELS), "info shows joins, leaves and retries", flag="--log-level")
+    format: str = setting(
+        "text", _choice(LOG_FORMATS), "text for people and journald; json for log shippers", flag="--log-format",
+    )
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    listen: Address | None = setting(
+        None, OPTIONAL_LISTEN, "Prometheus endpoint; off by default so nothing extra listens", flag="--metrics",
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a daemon needs, passed down as one object."""
+
+    daemon: DaemonSection = field(default_factory=DaemonSection)
+    network: NetworkSection = field(default_factory=NetworkSection)
+    control: ControlSection = field(default_factory=ControlSection)
+    peers: PeersSection = field(default_factory=PeersSection)
+    log: LogSection = field(default_factory=LogSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    #: The DHT's own settings (swarmd.dht.config.DHTConfig, explained in docs/dht.md): its fields
+    #: are taken as they are, their kinds read off their defaults, so a new DHT limit is
+    #: configurable here without being declared twice.
+    dht: DHTConfig = field(default_factory=DHTConfig)
+    config_file: Path | None = None
+
+
+def sections() -> list[tuple[str, type]]:
+    """(section name, section class) in declaration order."""
+    return [(f.name, f.default_factory) for f in dataclasses.fields(Config) if f.name != "config_file"]
+
+
+def _inferred_kind(value: Any) -> Kind | None:
+    """The kind of a foreign section's field (DHTConfig), read off its default value."""
+    if isinstance(value, bool):
+        return BOOL
+    if isinstance(value, int):
+        return _int_kind(0)
+    if isinstance(value, float):
+        return _float_kind(0.0)
+    if isinstance(value, frozenset) and all(isinstance(v, str) for v in value):
+        return STRING_SET
+    return None
+
+
+def kind_of(section: str, f: dataclasses.Field) -> Kind:
+    return f.metadata.get("kind") or _FOREIGN_KINDS[(section, f.name)]
+
+
+def why_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("why", "see docs/dht.md")
+
+
+def _fields(section: str, cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "kind" in f.metadata or (section, f.name) in _FOREIGN_KINDS]
+
+
+def settings() -> list[tuple[str, dataclasses.Field]]:
+    """(section name, field) for every setting, in declaration order."""
+    return [(name, f) for name, cls in sections() for f in _fields(name, cls)]
+
+
+_FOREIGN_KINDS: dict[tuple[str, str], Kind] = {
+    ("dht", f.name): kind
+    for f in dataclasses.fields(DHTConfig)
+    if (kind := _inferred_kind(getattr(DHTConfig(), f.name))) is not None
+}
+
+
+def env_name(section: str, key: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Derived defaults: where systemd or the user's session says files go.
+
+
+def _writable_dir(path: Path) -> bool:
+    """True when we may create files in `path` (or create `path` itself in a writable parent)."""
+    probe = path if path.exists() else path.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+
+
+SYSTEM_SOCKET = Path("/run/swarmd") / SOCKET_NAME
+
+
+def _user_socket(env: Mapping[str, str]) -> Path:
+    runtime = env.get("XDG_RUNTIME_DIR") or f"/tmp/swarmd-{os.getuid()}"
+    return Path(runtime) / "swarmd" / SOCKET_NAME
+
+
+def default_socket(env: Mapping[str, str], *, client: bool = False) -> Path:
+    """The control socket path a daemon binds and `swarmctl` dials when nothing says otherwise.
+
+    The daemon takes /run/swarmd only when it may write there, else a per-user path. A client
+    dials whichever of the two has a socket (the service's daemon runs as another user), and
+    otherwise names the path its own daemon would use, so "no daemon at ..." points somewhere real.
+    """
+    if env.get("RUNTIME_DIRECTORY"):
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / SOCKET_NAME
+    if client:
+        for candidate in (SYSTEM_SOCKET, _user_socket(env)):
+            if candidate.exists():
+                return candidate
+    return SYSTEM_SOCKET if _writable_dir(SYSTEM_SOCKET.parent) else _user_socket(env)
+
+
+def default_state_dir(env: Mapping[str, str]) -> Path:
+    if env.get("STATE_DIRECTORY"):
+        return Path(env["STATE_DIRECTORY"].split(":")[0])
+    system = Path("/var/lib/swarmd")
+    if _writable_dir(system):
+        return system
+    home = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", "/tmp")) / ".local" / "state")
+    return Path(home) / "swarmd"
+
+
+_DERIVED: dict[tuple[str, str], Callable[[Mapping[str, str]], Path]] = {
+    ("daemon", "state_dir"): default_state_dir,
+    ("control", "socket"): default_socket,
+}
+
+
+def default_config_file(env: Mapping[str, str]) -> Path | None:
+    """`$CONFIGURATION_DIRECTORY/swarmd.toml` under systemd, else /etc/swarmd/swarmd.toml, when present."""
+    candidates = []
+    if env.get("CONFIGURATION_DIRECTORY"):
+        candidates.append(Path(env["CONFIGURATION_DIRECTORY"].split(":")[0]) / "swarmd.toml")
+    candidates.append(DEFAULT_CONFIG_FILE)
+    return next((p for p in candidates if p.is_file()), None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layers: each returns {(section, key): value} for the settings it sets.
+
+Layer = dict[tuple[str, str], Any]
+
+
+def _index() -> dict[tuple[str, str], Kind]:
+    return {(s, f.name): kind_of(s, f) for s, f in settings()}
+
+
+def read_file(path: Path) -> Layer:
+    """Parse a TOML config file strictly: unknown sections or keys and wrong types are errors."""
+    source = str(path)
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(source, "", f"cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    kinds, known_sections = _index(), {name for name, _ in sections()}
+    layer: Layer = {}
+    for section, table in data.items():
+        if section not in known_sections:
+            raise ConfigError(source, section, "unknown section")
+        if not isinstance(table, dict):
+            raise ConfigError(source, section, "expected a [table]")
+        for key, value in table.items():
+            kind = kinds.get((section, key))
+            if kind is None:
+                raise ConfigError(source, f"{section}.{key}", "unknown key")
+            try:
+                layer[(section, key)] = kind.from_toml(value)
+            except ValueError as exc:
+                raise ConfigError(source, f"{section}.{key}", str(exc)) from None
+    return layer
+
+
+def read_env(env: Mapping[str, str]) -> Layer:
+    """Read `SWARMD_<SECTION>_<KEY>` variables; an unknown `SWARMD_*` name is a typo, so an error."""
+    kinds = _index()
+    by_name = {env_name(s, k): (s, k) for s, k in kinds}
+    layer: Layer = {}
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        if name not in by_name:
+            raise ConfigError("environment", name, "unknown variable")
+        key = by_name[name]
+        try:
+            layer[key] = kinds[key].from_text(text)
+        except ValueError as exc:
+            raise ConfigError("environment", name, str(exc)) from None
+    return layer
+
+
+def flag_dest(section: str, key: str) -> str:
+    return f"{section}__{key}"
+
+
+def add_flags(parser: Any) -> None:
+    """Add one argparse option per setting that declares a flag; values stay text until `read_flags`."""
+    for section, f in settings():
+        flag = f.metadata.get("flag")
+        if flag is None:
+            continue
+        kind = kind_of(section, f)
+        dest = flag_dest(section, f.name)
+        why = f"{f.metadata['why']} [{section}.{f.name}, {env_name(section, f.name)}]"
+        if kind is BOOL:
+            parser.add_argument(flag, dest=dest, action="store_const", const="true", default=None, help=why)
+        elif kind is ADDRESSES:
+            parser.add_argument(flag, dest=dest, action="append", metavar="HOST:PORT", default=None, help=why)
+        else:
+            parser.add_argument(flag, dest=dest, metavar=kind.name.removesuffix(" or empty"), help=why)
+
+
+def read_flags(namespace: Any) -> Layer:
+    layer: Layer = {}
+    for section, f in settings():
+        flag = f.metadata.get("flag")
+        raw = getattr(namespace, flag_dest(section, f.name), None) if flag else None
+        if raw is None:
+            continue
+        kind = kind_of(section, f)
+        try:
+            layer[(section, f.name)] = (
+                tuple(a for item in raw for a in kind.from_text(item)) if kind is ADDRESSES else kind.from_text(raw)
+            )
+        except ValueError as exc:
+            raise ConfigError(flag, "", str(exc)) from None
+    return layer
+
+
+def build(layers: Sequence[Layer], env: Mapping[str, str], config_file: Path | None = None) -> Config:
+    """Merge layers (later wins) over the defaults, filling derived defaults from `env`."""
+    merged: Layer = {}
+    for layer in layers:
+        merged.update(layer)
+    built = {}
+    for section, cls in sections():
+        values = {}
+        for f in _fields(section, cls):
+            key = (section, f.name)
+            if key in merged:
+                values[f.name] = merged[key]
+            elif f.metadata.get("derived"):
+                values[f.name] = _DERIVED[key](env)
+        try:
+            built[section] = cls(**values)
+        except (TypeError, ValueError) as exc:  # a section that checks its own fields (DHTConfig may)
+            raise ConfigError("configuration", f"[{section}]", str(exc)) from None
+    return Config(**built, config_file=config_file)
+
+
+def load(namespace: Any, env: Mapping[str, str]) -> Config:
+    """The daemon's configuration: flags in `namespace` (with `.config`), over env, file, defaults."""
+    explicit = getattr(namespace, "config", None) or env.get(CONFIG_ENV)
+    path = Path(explicit) if explicit else default_config_file(env)
+    file_layer = read_file(path) if path is not None else {}
+    return build([file_layer, read_env(env), read_flags(namespace)], env, path)
+
+
+def to_toml(config: Config) -> str:
+    """The effective configuration as TOML (what `--check-config` prints); it loads back unchanged."""
+    lines = []
+    if config.config_file is not None:
+        lines.append(f"# read from {config.config_file}")
+    for section, cls in sections():
+        lines.append(f"[{section}]")
+        for f in _fields(section, cls):
+            value = kind_of(section, f).to_toml(getattr(getattr(config, section), f.name))
+            lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,235 @@
+"""`swarmctl`: talk to the local daemon. Data goes to stdout, messages to stderr; `--json` everywhere.
+
+Exit statuses: 0 done; 1 the daemon refused the request (typed error, printed); 2 bad usage or a
+bad input file; 4 no usable daemon (not running, not permitted). Output carries no colour at all,
+so NO_COLOR holds trivially; progress bars arrive with `logs --follow` in the training issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from swarmd.client import DEFAULT_TIMEOUT_S, SOCKET_ENV, Client, ControlError, DaemonUnavailable, SyncClient
+from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+
+
+def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """--socket/--json/--timeout, accepted before or after the command name."""
+    default = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
+    parser.add_argument("--socket", metavar="PATH", default=default(None),
+                        help=f"control socket [${SOCKET_ENV}; default: where swarmd puts it]")
+    parser.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
+    parser.add_argument("--timeout", type=float, metavar="S", default=default(DEFAULT_TIMEOUT_S),
+                        help="seconds to wait for the daemon")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swarmctl", description="Control the local swarmd daemon.")
+    _common(p, suppress=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help, description=help)
+        _common(cmd, suppress=True)
+        return cmd
+
+    command("status", "peer id, addresses, version, uptime, what it serves")
+    command("peers", "known peers with addresses, last-seen and liveness")
+    dht = command("dht", "inspect the DHT (debugging)")
+    dht_sub = dht.add_subparsers(dest="dht_command", required=True, metavar="SUBCOMMAND")
+    get = dht_sub.add_parser("get", help="records under a key", description="records under a key")
+    _common(get, suppress=True)
+    get.add_argument("key", nargs="+", metavar="PART",
+                     help="key parts, namespace first (e.g. job J1 stage 3); digits are integers, hex:.. is bytes")
+    command("drain", "leave the swarm gracefully and stop the daemon")
+    submit = command("submit", "submit a job spec (TOML) to this daemon")
+    submit.add_argument("spec", type=Path, metavar="JOB.toml")
+    submit.add_argument("--data", action="append", default=[], metavar="PATH", help="local data (repeatable)")
+    submit.add_argument("--follow", action="store_true", help="then follow its progress")
+    command("jobs", "jobs known to the swarm")
+    command("job", "one job: stages, peers, samples/s, step, loss").add_argument("job")
+    logs = command("logs", "a job's progress events")
+    logs.add_argument("job")
+    logs.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    command("cancel", "cancel a job submitted here").add_argument("job")
+    train = command("train", "run a trainer for a running job on local data")
+    train.add_argument("job")
+    train.add_argument("--data", action="append", required=True, metavar="PATH", help="local data (repeatable)")
+    serve = command("serve", "serve a stage of a job (pin by hand)")
+    serve.add_argument("job")
+    serve.add_argument("--stage", type=int, metavar="I")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _emit(args: argparse.Namespace, data: Any, text: Callable[[Any], str]) -> None:
+    if args.json:
+        sys.stdout.write(json.dumps(_jsonable(data), indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(text(data) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{days}d"] * bool(days) + [f"{hours}h"] * bool(hours) + [f"{minutes}m"] * bool(minutes)
+    return " ".join(parts + [f"{secs}s"]) if not days else " ".join(parts)
+
+
+def _status_text(s: dict[str, Any]) -> str:
+    serving = ", ".join(s["serving"]["stages"]) or "no stages (jobs arrive with the training issue)"
+    rows = [
+        ("peer id", s["peer_id"]), ("version", s["version"]), ("pid", s["pid"]),
+        ("uptime", _duration(s["uptime_s"])), ("listen", s["listen"]), ("announce", s["announce"]),
+        ("socket", s["control_socket"]), ("state dir", s["state_dir"]), ("device", s["device"]),
+        ("peers", f"{s['peers']['alive']} alive of {s['peers']['known']} known"),
+        ("bootstrap", "joined" if s["bootstrap"]["joined"] else f"alone ({s['bootstrap']['state']})"),
+        ("serving", serving), ("state", "draining" if s["draining"] else "running"),
+    ]
+    return "\n".join(f"{name:<10} {value}" for name, value in rows)
+
+
+def _peers_text(peers: list[dict[str, Any]]) -> str:
+    lines = [f"{'PEER ID':<18} {'ADDRESS':<24} {'LAST SEEN':>10}  STATE"]
+    for p in peers:
+        seen = "now" if p["self"] else f"{p['last_seen_s_ago']:.1f}s ago"
+        state = "self" if p["self"] else ("alive" if p["alive"] else "dead")
+        lines.append(f"{p['peer_id'][:16]:<18} {p['address']:<24} {seen:>10}  {state}")
+    return "\n".join(lines)
+
+
+def _value_text(value: bytes) -> str:
+    try:
+        text = value.decode()
+    except UnicodeDecodeError:
+        return value.hex()
+    return text if text.isprintable() else value.hex()
+
+
+def _records_text(reply: dict[str, Any]) -> str:
+    if not reply["records"]:
+        return "(no live records)"
+    return "\n".join(
+        f"{r['subkey'].hex()[:16]}  expires in {r['expires_in_s']:.0f}s  {_value_text(r['value'])}"
+        for r in reply["records"]
+    )
+
+
+def _key_part(text: str) -> str | int | bytes:
+    if text.isdigit():
+        return int(text)
+    if text.startswith("hex:"):
+        try:
+            return bytes.fromhex(text[4:])
+        except ValueError:
+            raise SystemExit(_usage_error(f"key part {text!r} is not valid hex")) from None
+    return text
+
+
+def _usage_error(message: str) -> int:
+    print(f"swarmctl: {message}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except OSError as exc:
+        raise SystemExit(_usage_error(f"{path}: cannot read: {exc.strerror or exc}")) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SystemExit(_usage_error(f"{path}: not valid TOML: {exc}")) from None
+
+
+async def _follow_logs(args: argparse.Namespace) -> None:
+    async with Client(args.socket, timeout=args.timeout) as client:
+        async for event in client.logs(args.job, follow=args.follow):
+            _emit(args, event, lambda e: json.dumps(_jsonable(e), sort_keys=True))
+            sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Commands
+
+
+def run_command(args: argparse.Namespace) -> None:
+    client = SyncClient(args.socket, timeout=args.timeout)
+    cmd = args.command
+    if cmd == "status":
+        _emit(args, client.status(), _status_text)
+    elif cmd == "peers":
+        _emit(args, client.peers(), _peers_text)
+    elif cmd == "dht":
+        _emit(args, client.dht_get([_key_part(p) for p in args.key]), _records_text)
+    elif cmd == "drain":
+        reply = client.drain()
+        _emit(args, reply, lambda r: f"draining: the daemon stops within {r['drain_timeout_s']:g} s")
+    elif cmd == "submit":
+        reply = client.submit(_read_spec(args.spec), [str(Path(d).resolve()) for d in args.data])
+        _emit(args, reply, lambda r: f"submitted job {r['job']}")
+        if args.follow:
+            args.job = reply["job"]
+            asyncio.run(_follow_logs(args))
+    elif cmd == "jobs":
+        _emit(args, client.jobs(), lambda jobs: "\n".join(str(j) for j in jobs))
+    elif cmd == "job":
+        _emit(args, client.job(args.job), str)
+    elif cmd == "logs":
+        asyncio.run(_follow_logs(args))
+    elif cmd == "cancel":
+        _emit(args, client.cancel(args.job), str)
+    elif cmd == "train":
+        _emit(args, client.train(args.job, [str(Path(d).resolve()) for d in args.data]), str)
+    elif cmd == "serve":
+        _emit(args, client.serve(args.job, args.stage), str)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # Connection trouble is reported once, by us, as a sentence; the transport's own log lines
+    # about the same event would only repeat it on stderr.
+    logging.getLogger("transport").setLevel(logging.CRITICAL)
+    try:
+        run_command(args)
+    except ControlError as exc:
+        _error(args, exc.code, exc.message)
+        return EXIT_FAILURE
+    except DaemonUnavailable as exc:
+        _error(args, "unavailable", str(exc))
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _error(args: argparse.Namespace, code: str, message: str) -> None:
+    if args.json:
+        print(json.dumps({"error": {"code": code, "message": message}}), file=sys.stderr)
+    else:
+        print(f"swarmctl: {message}" if code == "unavailable" else f"swarmctl: {code}: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Every DHT setting, named, with a default and the reason for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    # --- Kademlia shape ---
+    #: Bucket size and the number of nodes a lookup converges on (the paper's k; 20 makes it very
+    #: unlikely that all replicas of a record leave within one refresh period).
+    k: int = 20
+    #: Concurrent queries per lookup (the paper's alpha): enough to hide one slow peer, few enough
+    #: not to flood the network.
+    alpha: int = 3
+    #: Relaxed split rule: a bucket not containing our own id still splits while its depth is not a
+    #: multiple of b (the paper's "b" from section 4.2), which keeps lookups O(log n) on skewed tables.
+    split_every_bits: int = 5
+    #: Recently seen contacts kept per full bucket to replace contacts that stop answering.
+    replacement_cache: int = 20
+    #: Misses before a contact is dropped for a replacement; one miss is often a transient blip,
+    #: and kademlia's evict-on-first-miss churns good contacts out on a busy link.
+    max_failures: int = 3
+    #: Contacts allowed per IP prefix in one bucket / in the whole table: stops one subnet (one
+    #: attacker with many keys) from filling our view of a region of the key space.
+    max_per_prefix_bucket: int = 2
+    max_per_prefix_table: int = 10
+    #: Prefix lengths that define "the same network" for the limits above.
+    ipv4_prefix_bits: int = 24
+    ipv6_prefix_bits: int = 64
+    #: Loopback addresses are exempt, so many nodes on 127.0.0.1 (tests, benchmarks) work.
+    prefix_limit_exempt_loopback: bool = True
+
+    # --- RPC and lookups ---
+    #: Per-call timeout: a live peer on a slow WAN answers in well under a second; a frozen one must
+    #: cost little. 1.5 s is the middle of the 1-2 s the design asks for.
+    rpc_timeout: float = 1.5
+    #: A lookup worker waits this long for a query before it asks the next candidate too (the
+    #: slow query keeps running and its answer still counts). Live peers on a WAN answer in well
+    #: under 0.5 s; frozen ones would otherwise stall all alpha workers for a full timeout.
+    lookup_patience: float = 0.5
+    #: After a failed call a peer is skipped by lookups for this long (doubling per further failure,
+    #: capped), so a dead contact costs one timeout once rather than once per lookup.
+    backoff_initial: float = 15.0
+    backoff_max: float = 300.0
+    #: Peers remembered as backed off (bounded: the set is fed by third parties' contact lists).
+    max_backoff_entries: int = 4096
+    #: A get stops once at least this many replicas returned records for the key (merged, newest
+    #: wins) and the last `get_confirmations` of them added nothing new. With consistent replicas
+    #: that is 3 answers; a replica that missed a store (a writer whose lookup met timeouts stored
+    #: on a slightly different set) makes the get keep asking instead of returning short.
+    get_quorum: int = 3
+    get_confirmations: int = 2
+    #: Results are cached until the earliest record expires, but never longer than this: readers
+    #: want new announcers within seconds.
+    get_cache_max_s: float = 2.0
+    #: Nodes that receive each store. The issue asks for the k closest live nodes: with k = 20 a
+    #: record survives the loss of most of its replicas between two refreshes.
+    replication: int = 20
+
+    # --- records and storage limits ---
+    #: Raw key bytes (e.g. msgpack of ("job", id, "stage", 3)); keys are names, not payloads.
+    max_key_bytes: int = 256
+    #: Subkey bytes: a peer id is 32; open namespaces may use short names.
+    max_subkey_bytes: int = 64
+    #: A stage announcement is ~100 bytes and a job spec a few KiB.
+    max_value_bytes: int = 8192
+    #: Writers kept per key; over it the earliest-expiring one is evicted (a stage rarely has
+    #: more than a few hundred peers).
+    max_subkeys_per_key: int = 512
+    #: Distinct keys one node holds (records for ~1000 jobs x stages, with room to spare).
+    max_keys: int = 65536
+    #: Total value+subkey bytes held, so a node's memory use is bounded whatever peers send.
+    max_total_bytes: int = 64 * 1024 * 1024
+    #: Records in one store RPC (and returned by one find_value): bounds the work per request.
+    max_records_per_store: int = 64
+    #: Records held on behalf of one origin (signer, or sender of unsigned records), so one peer
+    #: flooding us cannot push out everyone else.
+    max_records_per_origin: int = 1024
+    #: Stores may not set an expiration further than this into the future (wall clock).
+    max_ttl: float = 24 * 3600.0
+    #: Contacts returned by find_node/find_value (we read at most this many from a reply).
+    max_contacts_per_reply: int = 20
+    #: Address string bytes in a contact.
+    max_address_bytes: int = 256
+    #: Namespaces (first element of a key) whose records may be unsigned and under any subkey.
+    open_namespaces: frozenset[str] = field(default_factory=lambda: frozenset({"open"}))
+
+    # --- maintenance ---
+    #: Announcements are re-stored this often; 30 s makes a preempted peer vanish within ~2 minutes.
+    refresh_interval: float = 30.0
+    #: TTL given to announcements: 3x refresh survives two lost refreshes.
+    announce_ttl: float = 90.0
+    #: Expired records are dropped from reads at once and from memory at this interval.
+    prune_interval: float = 5.0
+    #: Buckets not looked up for this long get a lookup of a random id inside them (the paper
+    #: says an hour; preemptible swarms churn faster, so ten minutes).
+    bucket_refresh_interval: float = 600.0
+    #: While no contact in the routing table answers, retry the bootstrap peers this often (also
+    #: the tick of the bucket-refresh check).
+    rebootstrap_interval: float = 5.0
+    #: Pending record hand-offs to newly seen closer nodes (bounded queue; extras wait for the
+    #: announcers' next refresh).
+    max_pending_handoffs: int = 256

@@ -1,0 +1,94 @@
+"""Which peers are alive: the last time each one proved it, and a loop that keeps asking.
+
+Kademlia only learns that a contact died when it next talks to it, which on a quiet swarm can be
+minutes. Operators asking `swarmctl peers` want to know now, so the daemon pings every routing-table
+contact each `ping_interval_s` and calls a peer alive while its last answer is younger than
+`liveness_window_s`. The answer's peer id comes from the connection's handshake, so a host that
+took over a dead peer's address does not keep that peer "alive".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sighting:
+    address: str
+    at: float  # monotonic seconds
+
+
+class PeerBook:
+    """Last sighting per peer id, bounded: the oldest sightings go first when it is full."""
+
+    def __init__(self, window_s: float, max_peers: int) -> None:
+        self.window_s = window_s
+        self.max_peers = max_peers
+        self._seen: OrderedDict[bytes, Sighting] = OrderedDict()
+
+    def heard(self, peer_id: bytes, address: str, now: float) -> None:
+        self._seen.pop(peer_id, None)
+        self._seen[peer_id] = Sighting(address, now)
+        while len(self._seen) > self.max_peers:
+            self._seen.popitem(last=False)
+
+    def alive(self, peer_id: bytes, now: float) -> bool:
+        seen = self._seen.get(peer_id)
+        return seen is not None and now - seen.at <= self.window_s
+
+    def count_alive(self, now: float) -> int:
+        return sum(now - s.at <= self.window_s for s in self._seen.values())
+
+    def view(self, known: Iterable[tuple[bytes, str]], now: float) -> list[dict]:
+        """One entry per peer known to the routing table or heard from, newest sighting first."""
+        entries: dict[bytes, dict] = {}
+        for peer_id, address in known:
+            entries[peer_id] = {"peer_id": peer_id.hex(), "address": address, "last_seen_s_ago": None,
+                                "alive": False, "self": False}
+        for peer_id, seen in self._seen.items():
+            entries[peer_id] = {"peer_id": peer_id.hex(), "address": seen.address,
+                                "last_seen_s_ago": round(now - seen.at, 3),
+                                "alive": now - seen.at <= self.window_s, "self": False}
+        ordered = sorted(entries.values(), key=lambda e: (e["last_seen_s_ago"] is None, e["last_seen_s_ago"] or 0))
+        return ordered[: self.max_peers]
+
+
+Ping = Callable[[str], Awaitable[bytes]]
+"""Ping an address; returns the peer id the connection proved, raises on any failure."""
+
+
+async def ping_loop(
+    book: PeerBook,
+    contacts: Callable[[], list[tuple[bytes, str]]],
+    ping: Ping,
+    *,
+    interval_s: float,
+    timeout_s: float,
+    clock: Callable[[], float],
+    on_result: Callable[[bool], None] = lambda ok: None,
+) -> None:
+    """Forever: ping every known contact at once, each bounded by `timeout_s`, then wait."""
+
+    async def one(address: str) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                peer_id = await ping(address)
+        except Exception as exc:  # any failure means "not heard from"; the reason is only logged
+            log.debug("ping %s: %s", address, exc)
+            on_result(False)
+            return
+        book.heard(peer_id, address, clock())
+        on_result(True)
+
+    while True:
+        targets = {address for _, address in contacts()[: book.max_peers]}
+        async with asyncio.TaskGroup() as tg:
+            for address in targets:
+                tg.create_task(one(address))
+        await asyncio.sleep(interval_s)

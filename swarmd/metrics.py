@@ -1,0 +1,137 @@
+"""Prometheus metrics of one daemon, on a registry of its own, served over a tiny asyncio HTTP endpoint.
+
+Names carry the `swarmd_` prefix and their unit; label values come only from closed sets (the
+methods a router registered, a fixed list of outcomes), so a peer cannot grow our series count by
+calling made-up method names. The endpoint runs on the daemon's event loop instead of
+prometheus_client's thread server, so it is started and stopped with everything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from swarmd.config import Address
+from transport.message import Message, Request, Router
+
+log = logging.getLogger(__name__)
+
+#: Request head size and read time for the metrics endpoint: a scrape is one short GET.
+MAX_REQUEST_HEAD_BYTES = 8192
+REQUEST_READ_TIMEOUT_S = 5.0
+
+#: The closed set of outcome label values.
+OUTCOMES = ("ok", "error", "cancelled")
+
+
+class Metrics:
+    """Every series the daemon exports; other parts get this object and update what they own."""
+
+    def __init__(self, version: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        Gauge("swarmd_build_info", "Version of the running daemon (value is always 1).", ["version"],
+              registry=r).labels(version).set(1)
+        Gauge("swarmd_start_time_seconds", "Unix time the daemon started.", registry=r).set(time.time())
+        self.rpc_requests = Counter(
+            "swarmd_rpc_requests_total", "RPC requests handled, by service, method and outcome.",
+            ["service", "method", "outcome"], registry=r,
+        )
+        self.rpc_duration = Histogram(
+            "swarmd_rpc_duration_seconds", "Time to handle one RPC request.", ["service", "method"],
+            buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0), registry=r,
+        )
+        self.control_refused = Counter(
+            "swarmd_control_refused_connections_total",
+            "Control socket connections refused by SO_PEERCRED admission.", registry=r,
+        )
+        self.bootstrap_attempts = Counter(
+            "swarmd_bootstrap_attempts_total", "Bootstrap rounds, by outcome.", ["outcome"], registry=r,
+        )
+        self.peer_pings = Counter(
+            "swarmd_peer_pings_total", "Liveness pings sent to known peers, by outcome.", ["outcome"], registry=r,
+        )
+        self.peers_alive = Gauge("swarmd_peers_alive", "Peers heard from within the liveness window.", registry=r)
+        self.dht_contacts = Gauge("swarmd_dht_contacts", "Contacts in the DHT routing table.", registry=r)
+        self.dht_stored_keys = Gauge("swarmd_dht_stored_keys", "Keys this node holds records for.", registry=r)
+        self.dht_gets = Counter(
+            "swarmd_dht_gets_total", "DHT gets asked through the control API, by outcome.", ["outcome"], registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class InstrumentedRouter(Router):
+    """A Router whose handlers count themselves; the method label is the registered name only."""
+
+    def __init__(self, metrics: Metrics, service: str) -> None:
+        super().__init__()
+        self._metrics, self._service = metrics, service
+
+    def unary(self, name: str, handler: Callable[[Request], Any]) -> None:
+        async def counted(request: Request) -> Message:
+            started = time.perf_counter()
+            outcome = "error"
+            try:
+                reply = await handler(request)
+                outcome = "ok"
+                return reply
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            finally:
+                self._observe(name, outcome, started)
+
+        super().unary(name, counted)
+
+    def stream(self, name: str, handler: Callable[[Request], AsyncIterator[Message]]) -> None:
+        async def counted(request: Request) -> AsyncIterator[Message]:
+            started = time.perf_counter()
+            outcome = "error"
+            try:
+                async for item in handler(request):
+                    yield item
+                outcome = "ok"
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled"
+                raise
+            finally:
+                self._observe(name, outcome, started)
+
+        super().stream(name, counted)
+
+    def _observe(self, name: str, outcome: str, started: float) -> None:
+        self._metrics.rpc_requests.labels(self._service, name, outcome).inc()
+        self._metrics.rpc_duration.labels(self._service, name).observe(time.perf_counter() - started)
+
+
+async def serve(metrics: Metrics, address: Address) -> asyncio.Server:
+    """Start the scrape endpoint (GET /metrics); the caller owns and closes the returned server."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_READ_TIMEOUT_S)
+            parts = head.split(b"\r\n", 1)[0].split()
+            if len(parts) == 3 and parts[0] == b"GET" and parts[1].split(b"?")[0] == b"/metrics":
+                body, status, ctype = metrics.render(), b"200 OK", CONTENT_TYPE_LATEST.encode()
+            else:
+                body, status, ctype = b"not found; try /metrics\n", b"404 Not Found", b"text/plain"
+            writer.write(
+                b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype
+                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+            )
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a client that sends garbage or nothing gets the connection closed
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, address.host, address.port, limit=MAX_REQUEST_HEAD_BYTES)
+    log.info("metrics on http://%s/metrics", Address(address.host, server.sockets[0].getsockname()[1]))
+    return server
+

@@ -1,0 +1,56 @@
+"""PeerBook and the ping loop: alive while the last answer is inside the window, bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmd.liveness import PeerBook, ping_loop
+
+A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
+
+
+def test_alive_only_inside_the_window() -> None:
+    book = PeerBook(window_s=5.0, max_peers=10)
+    book.heard(A, "h:1", now=100.0)
+    assert book.alive(A, 105.0) and not book.alive(A, 105.1)
+    assert not book.alive(B, 100.0)
+
+
+def test_view_merges_contacts_never_heard_from() -> None:
+    book = PeerBook(window_s=5.0, max_peers=10)
+    book.heard(A, "h:1", now=100.0)
+    book.heard(B, "h:2", now=90.0)
+    view = book.view([(A, "h:1"), (C, "h:3")], now=101.0)
+    assert [(e["peer_id"], e["alive"], e["last_seen_s_ago"]) for e in view] == [
+        (A.hex(), True, 1.0), (B.hex(), False, 11.0), (C.hex(), False, None)]
+
+
+def test_book_is_bounded_and_forgets_the_oldest_first() -> None:
+    book = PeerBook(window_s=5.0, max_peers=2)
+    for i, peer in enumerate((A, B, C)):
+        book.heard(peer, f"h:{i}", now=float(i))
+    assert not book.alive(A, 2.0) and book.alive(B, 2.0) and book.alive(C, 2.0)
+    assert len(book.view([], 2.0)) == 2
+
+
+async def test_ping_loop_records_the_proven_id_and_skips_failures() -> None:
+    """Two contacts: one answers (proving id B although listed as A), one times out."""
+    book = PeerBook(window_s=5.0, max_peers=10)
+    results: list[bool] = []
+
+    async def ping(address: str) -> bytes:
+        if address == "slow:1":
+            await asyncio.sleep(10)
+        return B
+
+    task = asyncio.create_task(ping_loop(
+        book, lambda: [(A, "fast:1"), (C, "slow:1")], ping, interval_s=0.01, timeout_s=0.05,
+        clock=lambda: 50.0, on_result=results.append))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert book.alive(B, 50.0) and not book.alive(A, 50.0) and not book.alive(C, 50.0)
+    assert True in results and False in results

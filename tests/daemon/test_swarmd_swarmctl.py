@@ -1,0 +1,125 @@
+"""swarmctl against one real daemon: data on stdout, messages on stderr, --json everywhere, typed
+`not_available` for the job commands, `dht get` of a record a peer stored, metrics, drain.
+
+Most commands run `swarmd.ctl.main` in this process (the same code the console script runs) to
+spare a torch import per command; the console script itself runs for `status` and `drain`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from swarmd import ctl
+from swarmd.dht import dht_key
+from swarmd.dht import protocol as P
+from swarmd.dht.records import sign_record
+from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+from transport.identity import Identity
+from transport.message import Message
+from transport.pool import Pool
+from transport.config import RpcConfig
+
+
+@pytest.fixture(scope="module")
+def daemon(spawn_module):
+    return spawn_module("solo", "--metrics", "127.0.0.1:0")
+
+
+def run_ctl(capsys, *args: str) -> tuple[int, str, str]:
+    status = ctl.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_status_json_from_the_console_script(daemon, swarmctl) -> None:
+    done = swarmctl("--socket", str(daemon.socket), "status", "--json")
+    assert done.returncode == EXIT_OK and done.stderr == ""
+    status = json.loads(done.stdout)
+    assert status["pid"] == daemon.proc.pid and len(status["peer_id"]) == 64
+    assert status["listen"] == status["announce"] and status["listen"].startswith("127.0.0.1:")
+    assert status["bootstrap"]["state"] == "first node of a new swarm" and status["draining"] is False
+
+
+def test_status_text_and_peers(daemon, capsys) -> None:
+    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "status")
+    assert status == EXIT_OK and err == "" and out.startswith("peer id    ")
+    status, out, err = run_ctl(capsys, "peers", "--socket", str(daemon.socket), "--json")
+    (me,) = json.loads(out)
+    assert me["self"] and me["alive"] and me["address"] == daemon.status["announce"]
+
+
+@pytest.mark.parametrize("args", [["submit", "SPEC"], ["jobs"], ["job", "j1"], ["logs", "j1", "--follow"],
+                                  ["cancel", "j1"], ["train", "j1", "--data", "/tmp"], ["serve", "j1", "--stage", "0"]])
+def test_job_commands_answer_not_available(daemon, capsys, tmp_path, args) -> None:
+    spec = tmp_path / "job.toml"
+    spec.write_text('name = "x"\n')
+    args = [str(spec) if a == "SPEC" else a for a in args]
+    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), *args)
+    assert status == EXIT_FAILURE and out == ""
+    assert err.startswith("swarmctl: not_available: ") and "training issue" in err
+    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "--json", *args)
+    assert status == EXIT_FAILURE and out == "" and json.loads(err)["error"]["code"] == "not_available"
+
+
+def test_bad_spec_file_is_a_usage_error(daemon, capsys, tmp_path) -> None:
+    spec = tmp_path / "bad.toml"
+    spec.write_text("name = \n")
+    with pytest.raises(SystemExit) as exit_info:
+        ctl.main(["--socket", str(daemon.socket), "submit", str(spec)])
+    assert exit_info.value.code == EXIT_CONFIG
+    assert str(spec) in capsys.readouterr().err
+
+
+def test_missing_daemon_is_exit_4(capsys, tmp_path) -> None:
+    status, out, err = run_ctl(capsys, "--socket", str(tmp_path / "none.sock"), "status")
+    assert status == EXIT_UNAVAILABLE and out == "" and "no daemon socket" in err
+
+
+def test_dht_get_shows_a_record_a_peer_stored(daemon, capsys) -> None:
+    """A peer (this test, with its own identity, over a real TCP connection) stores a signed record
+    on the daemon with the DHT's store RPC; `swarmctl dht get` then shows it."""
+    writer = Identity.from_seed(b"test writer")
+    key = dht_key("test", "swarmctl", 7)
+
+    async def store() -> dict:
+        pool = Pool(RpcConfig(identity=writer))
+        try:
+            record = sign_record(writer, key, writer.peer_id, b"hello from a peer", time.time() + 60)
+            reply = await pool.call(daemon.address, P.STORE, Message(P.store_request(key, [record])), timeout=30)
+            return reply.meta
+        finally:
+            await pool.close()
+
+    assert P.parse_store_reply(asyncio.run(store()), 1) == ["ok"]
+    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "dht", "get", "test", "swarmctl", "7")
+    assert status == EXIT_OK, err
+    assert writer.peer_id.hex()[:16] in out and "hello from a peer" in out
+    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "--json", "dht", "get", "test", "swarmctl", "7")
+    (record,) = json.loads(out)["records"]
+    assert bytes.fromhex(record["value"]) == b"hello from a peer" and 0 < record["expires_in_s"] <= 60
+    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "dht", "get", "test", "nothing")
+    assert status == EXIT_OK and out.strip() == "(no live records)"
+
+
+def test_metrics_count_control_calls(daemon) -> None:
+    daemon.client.status()
+    address = daemon.client.status()["metrics"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    calls = {(s.labels["service"], s.labels["method"], s.labels["outcome"]): s.value
+             for s in families["swarmd_rpc_requests"].samples if s.name.endswith("_total")}
+    assert calls[("control", "status", "ok")] >= 2
+    assert families["swarmd_dht_contacts"].samples[0].value == 0
+
+
+def test_drain_stops_the_daemon_cleanly(daemon, swarmctl) -> None:
+    """Last in this module: `swarmctl drain` answers, then the daemon exits 0 and removes its socket."""
+    done = swarmctl("--socket", str(daemon.socket), "drain")
+    assert done.returncode == EXIT_OK and done.stdout.startswith("draining") and done.stderr == ""
+    assert daemon.proc.wait(timeout=30) == EXIT_OK
+    assert not daemon.socket.exists()
