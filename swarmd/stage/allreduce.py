@@ -1,0 +1,142 @@
+"""The butterfly all-reduce of one step's gradient sums among the live peers of a stage.
+
+With P members (sorted by peer id, the same order on every member) the flattened gradient is cut
+into P contiguous shards. Member i receives shard i of every member's vector and sums them in
+member order (reduce-scatter), then sends its reduced shard to every other member (all-gather).
+Each member so sends and receives about 2(P-1)/P of the gradient whatever P is, and since every
+shard is summed by exactly one member, all of them end up with bit-identical vectors. Parts travel
+in messages of bounded size; each carries the sender's microbatch ids and sample count, so every
+member checks the round covers the whole step from the same data and reaches the same verdict.
+
+The mailbox buffers parts for at most `max_open_rounds` rounds, each allocated from the local
+parameter count (never from sizes a sender announces), so a mate cannot make us hold more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmd.stage.errors import RoundFailed, busy, bad_input
+
+
+def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
+class Contribution:
+    ids: frozenset[int]
+    samples: int
+
+
+@dataclass
+class RoundBox:
+    """Everything one member receives in one round."""
+
+    round_id: bytes
+    step: int
+    members: list[bytes]
+    me: int
+    numel: int
+    bounds: list[tuple[int, int]] = field(init=False)
+    parts: dict[int, torch.Tensor] = field(init=False)  # src -> its copy of my shard
+    received: dict[int, int] = field(init=False)  # src -> elements of my shard received
+    contributions: dict[int, Contribution] = field(default_factory=dict)
+    full: torch.Tensor = field(init=False)  # the reduced vector being gathered
+    gathered: dict[int, int] = field(init=False)  # shard owner -> elements received
+    failure: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+
+    def __post_init__(self) -> None:
+        self.bounds = shard_bounds(self.numel, len(self.members))
+        lo, hi = self.bounds[self.me]
+        self.parts = {src: torch.zeros(hi - lo) for src in range(len(self.members))}
+        self.received = {src: 0 for src in range(len(self.members))}
+        self.full = torch.zeros(self.numel)
+        self.gathered = {src: 0 for src in range(len(self.members))}
+
+    def put_part(self, src: int, offset: int, part: torch.Tensor, contribution: Contribution | None) -> None:
+        self._place(self.parts[src], self.received, src, offset, part)
+        if contribution is not None:
+            self.contributions[src] = contribution
+
+    def put_gather(self, src: int, offset: int, part: torch.Tensor) -> None:
+        lo, hi = self.bounds[src]
+        self._place(self.full[lo:hi], self.gathered, src, offset, part)
+
+    def _place(self, target: torch.Tensor, counts: dict[int, int], src: int, offset: int, part: torch.Tensor) -> None:
+        # In order and contiguous, so a full count means every element was written once.
+        if part.dtype != torch.float32 or part.dim() != 1 or offset != counts[src] \
+                or offset + part.numel() > target.numel():
+            raise bad_input(f"part from member {src} at {offset} ({part.numel()} elements) does not fit")
+        target[offset: offset + part.numel()] = part
+        counts[src] += part.numel()
+        self.changed.set()
+
+    def reduced_ready(self) -> bool:
+        lo, hi = self.bounds[self.me]
+        return all(n == hi - lo for n in self.received.values()) and len(self.contributions) == len(self.members)
+
+    def gathered_ready(self) -> bool:
+        return all(self.gathered[s] == hi - lo for s, (lo, hi) in enumerate(self.bounds))
+
+    def fail(self, reason: str) -> None:
+        self.failure = reason
+        self.changed.set()
+
+    async def wait(self, ready) -> None:
+        while not ready():
+            if self.failure is not None:
+                raise RoundFailed(self.failure)
+            self.changed.clear()
+            await self.changed.wait()
+        if self.failure is not None:
+            raise RoundFailed(self.failure)
+
+
+class Mailbox:
+    """Round boxes by round id; a part may arrive before its receiver has started the round."""
+
+    def __init__(self, max_open: int, expire_s: float) -> None:
+        self._max_open = max_open
+        self._expire_s = expire_s  # a round nobody finished by then is over on every member
+        self._boxes: dict[bytes, RoundBox] = {}
+
+    def box(self, round_id: bytes, step: int, members: list[bytes], me: bytes, numel: int) -> RoundBox:
+        box = self._boxes.get(round_id)
+        if box is not None:
+            if box.members != members or box.step != step:
+                raise bad_input("round members or step differ from the round's first part")
+            return box
+        if me not in members or len(set(members)) != len(members) or members != sorted(members):
+            raise bad_input("round members must be distinct, sorted, and include this peer")
+        now = asyncio.get_running_loop().time()
+        for stale in [r for r, b in self._boxes.items() if b.step < step or now - b.created > self._expire_s]:
+            self._boxes.pop(stale).fail("superseded by a later step or expired")
+        if len(self._boxes) >= self._max_open:
+            raise busy(f"{len(self._boxes)} all-reduce rounds already open (max_open_rounds)")
+        box = self._boxes[round_id] = RoundBox(round_id, step, members, members.index(me), numel)
+        return box
+
+    def get(self, round_id: bytes) -> RoundBox | None:
+        return self._boxes.get(round_id)
+
+    def drop(self, round_id: bytes, reason: str = "round closed") -> None:
+        box = self._boxes.pop(round_id, None)
+        if box is not None and box.failure is None:
+            box.fail(reason)
+
+    def fail_all(self, reason: str) -> None:
+        for box in self._boxes.values():
+            box.fail(reason)
+        self._boxes.clear()

@@ -1,0 +1,170 @@
+"""The arithmetic of one batch of stage work, run in a compute thread, never on the event loop.
+
+Several compatible microbatches (same kind, step and shapes) are concatenated into one call and
+each answer is split back out. Parameter gradients are taken with `torch.autograd.grad` rather than
+left in `.grad`, so concurrent batches never race on the module, and are handed to the accumulator
+only for microbatches this peer has not seen before; a repeat is recomputed for its input gradient
+alone. Reads of the parameters hold a shared guard that the optimizer step takes exclusively, so a
+batch sees one parameter version from its first kernel to its last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from swarmd.model import Stage
+from swarmd.stage.accumulator import Accumulator
+from swarmd.stage.errors import StaleStep
+
+FORWARD, BACKWARD, FORWARD_BACKWARD = "forward", "backward", "forward_backward"
+
+
+class ParamGuard:
+    """Many readers (compute batches) or one writer (the optimizer step, a state load)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._writing = True  # from here no new reader enters
+            self._cond.wait_for(lambda: self._readers == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+@dataclass(eq=False)
+class Work:
+    """One microbatch waiting for compute, with the future its RPC handler awaits."""
+
+    kind: str
+    step: int
+    mb: int
+    x: torch.Tensor
+    other: torch.Tensor | None  # grad_y for backward, targets for forward_backward
+    accumulate: bool  # False for a repeated mb: compute, answer, add nothing
+    future: asyncio.Future
+    solo: bool = False  # never batched (an architecture without per-sample losses)
+    started: bool = False  # set on the loop when a worker takes it
+    computed: bool = False  # set in the compute thread once its gradient is in the accumulator
+
+    @property
+    def key(self) -> tuple:
+        other = None if self.other is None else (self.other.dtype, tuple(self.other.shape[1:]))
+        alone = id(self) if self.solo else None
+        return self.kind, self.step, self.accumulate, self.x.dtype, tuple(self.x.shape[1:]), other, alone
+
+
+@dataclass
+class Answer:
+    tensor: torch.Tensor | None = None  # output (forward) or input gradient
+    loss_sum: float | None = None
+
+
+@dataclass
+class Lane:
+    """Where tensors go and come back: identity on CPU, streams and pinned copies on CUDA."""
+
+    upload: Callable[[list[torch.Tensor]], list[torch.Tensor]] = field(default=lambda ts: ts)
+    download: Callable[[list[torch.Tensor]], list[torch.Tensor]] = field(default=lambda ts: ts)
+    stream: Callable[[], object] = field(default=nullcontext)
+    finish: Callable[[], None] = field(default=lambda: None)
+
+
+class StageCompute:
+    def __init__(self, stage: Stage, params: list[torch.nn.Parameter], accumulator: Accumulator,
+                 guard: ParamGuard, committed: Callable[[], int], lane: Lane) -> None:
+        self.stage, self.params, self.accumulator = stage, params, accumulator
+        self.guard, self.committed, self.lane = guard, committed, lane
+
+    def run(self, batch: list[Work]) -> list[Answer]:
+        """Compute one batch (all of one `Work.key`); raises StaleStep if its step is committed."""
+        head = batch[0]
+        with self.guard.read():
+            committed = self.committed()
+            if head.step < committed:
+                raise StaleStep(head.step, committed)
+            with self.lane.stream():
+                xs = self.lane.upload([w.x for w in batch])
+                others = self.lane.upload([w.other for w in batch]) if head.other is not None else []
+                answers = self._dispatch(head, batch, xs, others)
+            self.lane.finish()
+        return answers
+
+    def _dispatch(self, head: Work, batch: list[Work], xs: list, others: list) -> list[Answer]:
+        sizes = [x.shape[0] for x in xs]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        if head.kind == FORWARD:
+            with torch.no_grad():
+                y = self.stage(x)  # (B, T, C)
+            return [Answer(t) for t in self.lane.download(list(y.split(sizes)))]
+        other = others[0] if len(others) == 1 else torch.cat(others)
+        if head.kind == BACKWARD:
+            with torch.enable_grad():
+                x = self._input(x)
+                out = self.stage(x)  # (B, T, C)
+                grad_x = self._gradients(batch, out, other, x, sizes)
+            return self._answers(grad_x, sizes, [None] * len(batch))
+        with torch.enable_grad():
+            x = self._input(x)
+            if len(batch) == 1:
+                total = self.stage(x, other)  # the sample-summed loss, exactly as a direct call
+                loss_sums = [total]
+            else:
+                per_sample = self.stage.sample_losses(x, other)  # (B,)
+                total = per_sample.sum()
+                loss_sums = [part.sum() for part in per_sample.split(sizes)]
+            grad_x = self._gradients(batch, total, None, x, sizes)
+            losses = [float(v.detach()) for v in loss_sums]
+        return self._answers(grad_x, sizes, losses)
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """A leaf to differentiate against (token ids of the first stage take no gradient)."""
+        x = x.detach()
+        return x if self.stage.is_first else x.requires_grad_(True)
+
+    def _gradients(self, batch: list[Work], out: torch.Tensor, grad_out: torch.Tensor | None,
+                   x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        head = batch[0]
+        inputs = (list(self.params) if head.accumulate else []) + ([] if self.stage.is_first else [x])
+        if not inputs:  # a repeat on the first stage: nothing to return, nothing to add
+            return None
+        grads = torch.autograd.grad(out, inputs, grad_outputs=grad_out, allow_unused=True)
+        if head.accumulate:
+            self.accumulator.add(head.step, [w.mb for w in batch], sum(sizes), list(grads[: len(self.params)]))
+            for w in batch:
+                w.computed = True
+        return None if self.stage.is_first else grads[-1]
+
+    def _answers(self, grad_x: torch.Tensor | None, sizes: list[int], losses: list) -> list[Answer]:
+        if grad_x is None:
+            return [Answer(None, loss) for loss in losses]
+        parts = self.lane.download(list(grad_x.split(sizes)))
+        return [Answer(part, loss) for part, loss in zip(parts, losses)]

@@ -1,0 +1,77 @@
+"""Every bound a served stage keeps, one named setting each, with the reason for its default.
+
+A stage peer is pushed at by trainers it does not control; each number here caps something a
+trainer (or a stage-mate) could otherwise make it hold without end. All are checked before the
+memory is taken: a full queue answers `busy` before the request joins it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from transport.codecs import CODECS
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    # Microbatches waiting for compute per served stage. A few per trainer keep the device busy;
+    # past this a call is answered `busy` at once and the trainer reroutes, so queued tensors (and
+    # the memory they pin) are bounded by queue_size x one microbatch, however many trainers push.
+    queue_size: int = 16
+    # Calls for the next step parked until this peer commits the current one (delayed_updates =
+    # false). They hold their decoded tensors while parked, so they are bounded like the queue.
+    max_waiting: int = 16
+    # Longest such a call waits when its caller set no deadline.
+    max_wait_s: float = 30.0
+    # Compatible microbatches (same kind, step and shapes) fused into one compute call: larger
+    # matmuls use the device better; 4 already fills a CPU core, and each answer is split back out.
+    max_batch: int = 4
+    # Compute threads per served stage on CPU. Two overlap one batch's Python overhead with another's
+    # kernels; more only contend for the same cores.
+    workers: int = 2
+    # torch intra-op threads (process-wide in torch); None leaves the process setting alone.
+    torch_threads: int | None = None
+    # How often a peer polls its stage-mates' progress. Rounds start within one period of the last
+    # microbatch arriving; 0.1 s is small next to a step of seconds, and costs P-1 tiny calls.
+    sync_interval_s: float = 0.1
+    # Deadline of one progress call; a mate that cannot answer it is treated as gone for this poll.
+    progress_timeout_s: float = 2.0
+    # A mate whose progress calls time out (rather than being refused: a killed process refuses at
+    # once) may just be overloaded and still hold its gradients; its ids are reported `missing` only
+    # after this long, since a re-send while it still holds them would count them twice.
+    missing_grace_s: float = 10.0
+    # One all-reduce round (reduce + gather); a mate silent this long is excluded and the round
+    # restarts with the others. Must cover shipping the whole gradient over the slowest link.
+    round_timeout_s: float = 60.0
+    # Largest tensor payload of one all-reduce message: bounded messages keep a slow link fair to
+    # activations travelling on the same connection, and bound what an unknown round can make us hold.
+    allreduce_chunk_bytes: int = 4 * MiB
+    # Codec of gradient parts between stage-mates; "none" keeps peers bit-identical to the reference.
+    allreduce_codec: str = "none"
+    # Rounds a peer buffers parts for at once (its own plus one a mate started first).
+    max_open_rounds: int = 2
+    # Largest payload of one `stage.state` message (parameters and optimizer state for joiners).
+    state_chunk_bytes: int = 4 * MiB
+    # `stage.state` downloads served at once: each holds a full copy of the stage's state.
+    max_state_streams: int = 2
+    # Deadline for downloading a mate's whole state when joining.
+    state_timeout_s: float = 300.0
+    # Checkpoints kept in the state dir; older ones are removed after a new one is in place.
+    checkpoints_kept: int = 2
+    # Step records (samples, duplicates, grad norm...) kept for `stage.info`.
+    records_kept: int = 64
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "allreduce_codec":
+                if value not in CODECS:
+                    raise ValueError(f"StageLimits.allreduce_codec must be one of {CODECS}, got {value!r}")
+            elif field.name == "torch_threads":
+                if value is not None and (not isinstance(value, int) or value < 1):
+                    raise ValueError(f"StageLimits.torch_threads must be None or >= 1, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"StageLimits.{field.name} must be positive, got {value!r}")

@@ -1,0 +1,444 @@
+"""StageService: one served stage of one job on this peer, from joining to stopping.
+
+It owns the stage module and its optimizer, the executor (bounded queue and compute threads), the
+gradient accumulator, the stage-mate sync loop and checkpointing, and every task they run (one
+supervised set, cancelled by `stop`). Requests reach it through a `StageServer` on the daemon's
+Router. On `start` it joins: it downloads and verifies the state of a live stage-mate when one
+answers, else restores the newest checkpoint in its state dir, else starts from the deterministic
+init; only then does it accept work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmd.directory import StageDirectory
+from swarmd.job import JobSpec
+from swarmd.model import build_stage
+from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
+from swarmd.stage import checkpoint as ckpt
+from swarmd.stage.accumulator import Accumulator
+from swarmd.stage.compute import BACKWARD, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, StageCompute, Work
+from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
+from swarmd.stage.executor import Executor, QueueFull
+from swarmd.stage.limits import StageLimits
+from swarmd.stage.server import StageServer
+from swarmd.stage.state import Snapshot, StateError, apply_snapshot, download, snapshot_messages, take_snapshot
+from swarmd.stage.sync import StageSync
+from transport.errors import RpcError, TransportError
+from transport.rpc import Message, Pool, Request, Router
+from transport.tasks import TaskSet
+
+log = logging.getLogger(__name__)
+
+INLINE_CHECK_ELEMENTS = 1 << 16
+"""Inputs up to this many elements are checked for NaN/inf on the event loop (tens of
+microseconds); larger ones in a thread, so a big activation never stalls other calls."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one committed step was made of (kept for `stage.info` and logs)."""
+
+    step: int
+    members: int
+    samples: int  # summed over members; above global_samples by the duplicated microbatches
+    duplicates: int  # across peers in the round plus repeats and late arrivals on this peer
+    lr: float
+    grad_norm: float
+    clipped: bool
+
+
+class StageService:
+    def __init__(self, spec: JobSpec, job_id: bytes, stage_index: int, peer_id: bytes,
+                 server: StageServer | Router, pool: Pool, directory: StageDirectory, *, address: str,
+                 device: str | torch.device = "cpu", limits: StageLimits = StageLimits(),
+                 state_dir: str | Path | None = None) -> None:
+        self.spec, self.job_id, self.stage_index, self.peer_id = spec, job_id, stage_index, peer_id
+        # Given the daemon's Router, share the one StageServer registered on it.
+        self.server = StageServer.for_router(server) if isinstance(server, Router) else server
+        self.pool, self.directory = pool, directory
+        self.address = address  # "host:port" mates dial to reach us, as announced (round member lists use it)
+        self.device = torch.device(device)
+        self.limits = limits
+        self.state_dir = None if state_dir is None else ckpt.checkpoint_dir(Path(state_dir), job_id, stage_index)
+        self.microbatches = spec.batch.microbatches_per_step
+        self.state = "stopped"
+        self.records: deque[StepRecord] = deque(maxlen=limits.records_kept)
+        self.sync = StageSync(self)
+        self._tasks = TaskSet(f"stage {stage_index}")
+        self._aux = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage_index}-aux")
+        self._committed_event = asyncio.Event()
+        self._waiting = 0
+        self._checkpoint_lock = asyncio.Lock()
+        self._streams = 0
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Build the stage, join (download, checkpoint or fresh init), then serve."""
+        if self.limits.torch_threads is not None:
+            torch.set_num_threads(self.limits.torch_threads)
+        self.state = "joining"
+        await self.in_aux(self._build)
+        self.server.add(self)
+        try:
+            await self._join()
+        except BaseException:
+            self.server.remove(self)
+            raise
+        self._tasks.spawn(self.executor.run(), "executor")
+        self._tasks.spawn(self.sync.run(), "sync")
+        self.state = "serving"
+
+    async def stop(self) -> None:
+        """Stop accepting, fail what is queued, cancel every task and wait for them."""
+        self.state = "stopping"
+        self.server.remove(self)
+        self.sync.mailbox.fail_all("the peer is stopping")
+        if hasattr(self, "executor"):
+            self.executor.close(busy("the stage is stopping"))
+        await self._tasks.aclose("stage stopping")
+        self._aux.shutdown(wait=False, cancel_futures=True)
+        self.state = "stopped"
+
+    def _build(self) -> None:
+        self.stage = build_stage(self.spec.model.config, self.stage_index, self.spec.pipeline.stages,
+                                 self.spec.seed, self.device)
+        self.opt = StageOptimizer(self.stage, self.spec.optim, self.spec.steps)
+        self.params = self.opt.params
+        self.numel = sum(p.numel() for p in self.params)
+        self.guard = ParamGuard()
+        self.accumulator = Accumulator(len(self.params))
+        lane = Lane()
+        workers = self.limits.workers
+        if self.device.type == "cuda":
+            from swarmd.stage.cuda import cuda_lane
+
+            lane, workers = cuda_lane(self.device), 1  # one stream per stage: one thread feeds it
+        self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.committed, lane)
+        self.executor = Executor(self.compute.run, self.limits, workers, f"stage{self.stage_index}")
+
+    async def _join(self) -> None:
+        mates = [m for m in await self.sync.poll() if m.state == "serving"]
+        if mates:
+            ordered = sorted(mates, key=lambda m: -m.step)
+            if await self._download([(m.peer_id, m.addr) for m in ordered]):
+                return
+        if self.state_dir is not None:
+            snapshot = await asyncio.to_thread(ckpt.newest_checkpoint, self.state_dir, self.stage_index)
+            if snapshot is not None:
+                await self._apply(snapshot)
+                log.info("stage %d restored checkpoint of step %d", self.stage_index, snapshot.step)
+
+    async def catch_up(self, mates: list[tuple[bytes, str]]) -> None:
+        """A mate is ahead of us (we missed a commit): replace our state with its."""
+        self.state = "joining"
+        try:
+            await self._download(mates)
+        finally:
+            self.state = "serving"
+
+    async def _download(self, mates: list[tuple[bytes, str]]) -> bool:
+        for peer_id, addr in mates:
+            try:
+                snapshot = await download(self.pool, addr, self.job_id, self.stage_index, self.stage,
+                                          self.limits.state_timeout_s)
+                await self._apply(snapshot)
+            except (TransportError, RpcError, StateError, ValueError) as exc:
+                log.warning("stage %d: state from %s refused: %s", self.stage_index, addr, exc)
+                continue
+            log.info("stage %d downloaded the state of step %d from %s", self.stage_index, snapshot.step, addr)
+            return True
+        return False
+
+    async def _apply(self, snapshot: Snapshot) -> None:
+        def apply() -> None:
+            with self.guard.write():
+                apply_snapshot(snapshot, self.stage, self.opt)
+                self.accumulator.clear()
+                self._settle()
+
+        await self.in_aux(apply)
+        self._notify_commit()
+
+    # ------------------------------------------------------------------------ what others read
+
+    @property
+    def committed(self) -> int:
+        """Optimizer steps this peer has taken: the step it accepts work for."""
+        return self.opt.step_count
+
+    def announcement(self) -> dict[str, Any]:
+        """The fields of this peer's DHT announcement for the stage."""
+        return {"samples_per_s": self.executor.samples_per_s, "queue": self.executor.depth,
+                "step": self.committed, "state": self.state}
+
+    def meta(self) -> dict[str, Any]:
+        return {"job": self.job_id, "stage": self.stage_index}
+
+    def step_ids(self, step: int) -> range:
+        return range(step * self.microbatches, (step + 1) * self.microbatches)
+
+    def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
+        return self._tasks.spawn(coro, name)
+
+    async def in_aux(self, fn: Callable, *args: Any) -> Any:
+        """Run `fn` on the stage's one auxiliary thread (builds, flattens, commits, snapshots)."""
+        return await asyncio.get_running_loop().run_in_executor(self._aux, fn, *args)
+
+    # ------------------------------------------------------------------------ compute RPCs
+
+    async def forward(self, req: Request) -> Message:
+        if self.stage.is_last:
+            raise bad_input("the last stage answers stage.forward_backward, not stage.forward")
+        answer, _ = await self._compute_call(req, FORWARD)
+        return Message({}, [answer.tensor], codec=self.spec.wire.activations)
+
+    async def backward(self, req: Request) -> Message:
+        if self.stage.is_last:
+            raise bad_input("the last stage answers stage.forward_backward, not stage.backward")
+        answer, duplicate = await self._compute_call(req, BACKWARD)
+        tensors = [] if answer.tensor is None else [answer.tensor]
+        return Message({"duplicate": duplicate}, tensors, codec=self.spec.wire.gradients)
+
+    async def forward_backward(self, req: Request) -> Message:
+        if not self.stage.is_last:
+            raise bad_input(f"stage.forward_backward is for the last stage; this is stage {self.stage_index}")
+        answer, duplicate = await self._compute_call(req, FORWARD_BACKWARD)
+        tensors = [] if answer.tensor is None else [answer.tensor]
+        return Message({"loss_sum": answer.loss_sum, "duplicate": duplicate}, tensors, codec=self.spec.wire.gradients)
+
+    async def _compute_call(self, req: Request, kind: str):
+        if self.state != "serving":
+            raise busy(f"this peer is {self.state}")
+        step, mb, samples = self._check_meta(req.meta)
+        x, other = await self._check_tensors(kind, req.tensors, samples)
+        await self._gate(step, req.deadline)
+        loop = asyncio.get_running_loop()
+        accumulate = kind != FORWARD and self.accumulator.claim(step, mb)
+        # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
+        solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
+        work = Work(kind, step, mb, x, other, accumulate, loop.create_future(), solo=solo)
+        try:
+            self.executor.submit(work)
+            answer = await work.future
+        except QueueFull as exc:
+            self._release(work)
+            raise busy(str(exc)) from None
+        except StaleStep as exc:
+            self._release(work)
+            raise exc.to_rpc() from None
+        except asyncio.CancelledError:
+            if not work.started:
+                self._release(work)
+            raise
+        except BaseException:
+            if not work.computed:
+                self._release(work)
+            raise
+        return answer, kind != FORWARD and not accumulate
+
+    def _release(self, work: Work) -> None:
+        if work.accumulate and not work.computed:
+            self.accumulator.release(work.step, [work.mb])
+
+    def _check_meta(self, meta: dict) -> tuple[int, int, int]:
+        step, mb, samples = meta.get("step"), meta.get("mb"), meta.get("samples")
+        if type(step) is not int or type(mb) is not int or type(samples) is not int:
+            raise bad_input("meta must carry int 'step', 'mb' and 'samples'")
+        if mb not in self.step_ids(step):
+            raise bad_input(f"microbatch {mb} does not belong to step {step} "
+                            f"({self.microbatches} microbatches per step)")
+        if not 1 <= samples <= self.spec.batch.microbatch_samples:
+            raise bad_input(f"samples is {samples}, must be 1..{self.spec.batch.microbatch_samples}")
+        return step, mb, samples
+
+    async def _check_tensors(self, kind: str, tensors: list[torch.Tensor], samples: int):
+        """Count, shapes and dtypes (cheap, here), then values: finite floats, ids in the vocabulary
+        (a pass over the data: off the event loop when the tensors are large)."""
+        expected = 1 if kind == FORWARD else 2
+        if len(tensors) != expected:
+            raise bad_input(f"stage.{kind} takes {expected} tensor(s), got {len(tensors)}")
+        T = self.spec.data.seq_len
+        named = [(tensors[0], self.stage.input_spec(samples, T), "x")]
+        if kind == BACKWARD:
+            named.append((tensors[1], self.stage.output_spec(samples, T), "grad_y"))
+        elif kind == FORWARD_BACKWARD:
+            named.append((tensors[1], self.stage.target_spec(samples, T), "targets"))
+        for tensor, spec, what in named:
+            reason = spec.mismatch(tensor)
+            if reason is not None:
+                raise bad_input(f"{what}: {reason}")
+        if sum(t.numel() for t, _, _ in named) > INLINE_CHECK_ELEMENTS:
+            problem = await asyncio.to_thread(self._value_problem, named)
+        else:
+            problem = self._value_problem(named)
+        if problem is not None:
+            raise bad_input(problem)
+        return tensors[0], (tensors[1] if kind != FORWARD else None)
+
+    def _value_problem(self, named: list) -> str | None:
+        vocab = self.spec.model.config.vocab
+        for tensor, _, what in named:
+            if tensor.is_floating_point():
+                if not bool(torch.isfinite(tensor).all()):
+                    return f"{what} holds non-finite values"
+            elif tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= vocab):
+                return f"{what}: token ids must be in [0, {vocab})"
+        return None
+
+    async def _gate(self, step: int, deadline: float | None) -> None:
+        """Work for a future step waits here for this peer's commit, up to the call's deadline."""
+        loop = asyncio.get_running_loop()
+        ahead = 1 if self.spec.pipeline.delayed_updates else 0
+        while True:
+            committed = self.committed
+            if step < committed:
+                raise StaleStep(step, committed).to_rpc()
+            if step <= committed + ahead:
+                return
+            now = loop.time()
+            until = now + self.limits.max_wait_s
+            if deadline is not None:
+                # Answer before the transport's own deadline does, so the caller learns why.
+                until = min(until, deadline - min(0.25, (deadline - now) / 10))
+            if until <= now:
+                raise not_ready(f"step {step} arrived; this peer has committed {committed} steps")
+            if self._waiting >= self.limits.max_waiting:
+                raise busy(f"{self._waiting} calls already wait for a commit (max_waiting)")
+            self._waiting += 1
+            try:
+                async with asyncio.timeout_at(until):
+                    await self._committed_event.wait()
+            except TimeoutError:
+                raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
+                                f"and did not commit in time") from None
+            finally:
+                self._waiting -= 1
+
+    def _notify_commit(self) -> None:
+        event, self._committed_event = self._committed_event, asyncio.Event()
+        event.set()
+
+    # ------------------------------------------------------------------------ info and state
+
+    async def info(self, req: Request) -> Message:
+        progress = self.accumulator.progress(self.committed) if self.state != "stopped" else None
+        last = asdict(self.records[-1]) if self.records else None
+        return Message({
+            "step": self.committed, "state": self.state, "queue": self.executor.depth,
+            "accumulated_samples": progress.samples if progress else 0,
+            "samples_per_s": self.executor.samples_per_s,
+            "missing": self.sync.missing, "uncovered": self.sync.uncovered,
+            "duplicates": self.accumulator.duplicates(self.committed),
+            "last_step": last, "round_failure": self.sync.last_failure,
+        }, codec="none")
+
+    async def state_stream(self, req: Request) -> AsyncIterator[Message]:
+        if self.state != "serving":
+            raise busy(f"this peer is {self.state}")
+        if self._streams >= self.limits.max_state_streams:
+            raise busy(f"{self._streams} state downloads already running (max_state_streams)")
+        self._streams += 1
+        try:
+            snapshot = await self.in_aux(self.snapshot)
+            for message in snapshot_messages(snapshot, self.limits.state_chunk_bytes):
+                yield message
+        finally:
+            self._streams -= 1
+
+    def snapshot(self) -> Snapshot:
+        with self.guard.read():
+            return take_snapshot(self.stage, self.opt)
+
+    # ------------------------------------------------------------------------ stage-mates
+
+    async def sync_progress(self, req: Request) -> Message:
+        return self.sync.progress_reply()
+
+    async def sync_round(self, req: Request) -> Message:
+        return self.sync.join(req)
+
+    async def sync_reduce(self, req: Request) -> Message:
+        return self.sync.receive(req, gather=False)
+
+    async def sync_gather(self, req: Request) -> Message:
+        return self.sync.receive(req, gather=True)
+
+    async def sync_abort(self, req: Request) -> Message:
+        return self.sync.abort(req)
+
+    def flatten(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """The gradient sums as one fp32 CPU vector in parameter order (zeros where none arrived)."""
+        parts = [torch.zeros(p.numel()) if g is None else g.detach().reshape(-1).float().cpu()
+                 for p, g in zip(self.params, grads)]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    async def commit(self, step: int, flat: torch.Tensor, members: int, samples: int, cross_duplicates: int) -> None:
+        """Take the optimizer step on the all-reduced gradient sum (every member does the same)."""
+        def step_now():
+            with self.guard.write():
+                if self.committed != step:
+                    raise RoundFailed(f"step {step} is no longer current (at {self.committed})")
+                offset = 0
+                for p in self.params:
+                    n = p.numel()
+                    p.grad = flat[offset: offset + n].view_as(p).to(p.device, p.dtype, copy=True)
+                    offset += n
+                try:
+                    report = self.opt.step(self.spec.batch.global_samples)
+                except NonFiniteGradient as exc:
+                    report = self._skip_step(exc)
+                self._settle()
+                duplicates = self.accumulator.finish(step)
+                # Copied here, under the guard, so the checkpoint holds exactly this step.
+                return report, duplicates, take_snapshot(self.stage, self.opt) if self._checkpoint_due() else None
+
+        report, local_duplicates, snapshot = await asyncio.shield(self.in_aux(step_now))
+        record = StepRecord(step, members, samples, cross_duplicates + local_duplicates, report.lr,
+                            report.grad_norm, report.clipped)
+        self.records.append(record)
+        if record.duplicates:
+            log.info("stage %d step %d: %d duplicated microbatches", self.stage_index, step, record.duplicates)
+        self._notify_commit()
+        if snapshot is not None:
+            self.spawn(self._checkpoint(snapshot), f"checkpoint {snapshot.step}")
+
+    def _checkpoint_due(self) -> bool:
+        every = self.spec.checkpoint.every_steps
+        return self.state_dir is not None and every > 0 and self.committed % every == 0
+
+    def _skip_step(self, exc: NonFiniteGradient) -> StepReport:
+        """Every member reduced the same non-finite gradient: all skip the update alike (as AMP's
+        GradScaler does) but commit the step, so the stage stays consistent and live instead of
+        retrying a round that can only fail again. The record shows grad_norm inf."""
+        log.error("stage %d step %d: %s; update skipped", self.stage_index, self.committed, exc)
+        lr = self.opt.lr
+        self.opt.optimizer.zero_grad(set_to_none=True)
+        report = StepReport(self.opt.step_count, lr, math.inf, False)
+        self.opt.step_count += 1
+        return report
+
+    def _settle(self) -> None:
+        """On CUDA the step's kernels are queued, not done: finish them before compute (on the
+        stage's own stream) may read the parameters again."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    async def _checkpoint(self, snapshot: Snapshot) -> None:
+        # One write at a time, in commit order: a later write prunes only older, finished files.
+        async with self._checkpoint_lock:
+            path = await asyncio.to_thread(ckpt.write_checkpoint, self.state_dir, snapshot, self.stage_index,
+                                           self.limits.checkpoints_kept)
+        log.info("stage %d wrote %s", self.stage_index, path)

@@ -1,0 +1,16 @@
+"""What stops a trainer: everything else (dead peers, timeouts, bad replies) is retried elsewhere."""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """The trainer cannot go on with this job; the message says why and what to look at."""
+
+
+class InputRefused(TrainerError):
+    """Several peers refused the same input as `bad_input`: the input is at fault, not the peers."""
+
+
+class StepLost(TrainerError):
+    """A stage committed a step without an answer this trainer still needed (a timed-out call had in
+    fact completed before the stage stepped), so the step's remaining work cannot be computed."""

@@ -1,0 +1,37 @@
+"""What a trainer tells the world as it goes (for `swarmctl logs --follow` and the job view)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Step `step` is committed by every stage, with this trainer's share of the work done."""
+
+    step: int
+    shard_loss: float  # sum of this shard's sample-summed losses / its samples
+    global_loss: float | None  # the step's mean loss over the global batch; only known when K = 1
+    samples: int  # samples this trainer pushed through the pipeline this step
+    tokens_per_s: float  # this trainer's tokens over the step's wall time (until every stage committed)
+    elapsed_s: float
+    retries: int  # RPC attempts this step that had to go elsewhere (timeouts, busy, errors, bad replies)
+    bans: int  # peers banned this step
+    resent: int  # backward calls re-sent because a stage reported their microbatches missing
+    peers_per_stage: tuple[int, ...]  # usable (announced, not banned) peers per stage at the end
+    stage_samples: tuple[int, ...]  # per stage, samples its peers summed for the step (-1: not reported)
+    duplicates: tuple[int, ...]  # per stage, microbatches counted twice (across or on peers); -1: unknown
+
+
+@dataclass(frozen=True)
+class StatusEvent:
+    """The trainer is waiting for something it cannot fix itself (e.g. "stage 1 has no peers"),
+    or stopped waiting (`message` empty)."""
+
+    message: str
+
+
+TrainerEvent = StepEvent | StatusEvent
+EventSink = Callable[[TrainerEvent], None]
+"""Called on the event loop for every event; pass `queue.put_nowait` to get an async stream."""

@@ -1,0 +1,254 @@
+"""Stochastic wiring: which peer of a stage gets the next request, decided without any I/O.
+
+SWARM sends each microbatch to the peer expected to be free soonest, so fast peers get more work
+and slow ones less, with no central scheduler. Per stage a min-heap is keyed by each peer's
+accumulated expected busy time; a pick takes the smallest key (random tie-break from a seeded RNG)
+and adds `samples × weight / measured samples-per-second` to it, an interleaved weighted
+round-robin. Throughput is measured by this trainer alone (announcements are never trusted for
+speed) as a bias-corrected EMA of seconds per sample over whole-RPC wall time, so it includes the
+network. A peer the trainer has not measured yet enters at the current minimum key: it gets work
+at once and is measured, without jumping ahead of everyone by the whole history.
+
+Faults follow the paper's code: a timeout does not ban (its elapsed time is fed to the EMA as a
+lower bound of the true cost, which inflates the peer's future keys); `busy` charges the peer one
+more request and reroutes; a connection error or a typed failure bans the peer until it
+re-announces (its announcement changes or expires), or, so that a fixed table cannot starve a
+stage for ever, until `max_ban_s` has passed.
+
+Pure: the caller passes the wall-clock `now` and the measured durations; tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+from enum import Enum
+
+from swarmd.directory import StagePeer
+
+
+class Kind(Enum):
+    """What a request asks of a peer; it weighs the request's expected cost."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    FORWARD_BACKWARD = "forward_backward"
+
+
+@dataclass(frozen=True)
+class WiringConfig:
+    # EMA smoothing of seconds-per-sample; the paper's code uses 0.1 (about the last 10 requests).
+    ema_alpha: float = 0.1
+    # A backward recomputes the forward and then backpropagates: ~2.5 forwards in the paper's code.
+    backward_weight: float = 2.5
+    # Cost charged to a peer before anyone on its stage has been measured; it only orders peers
+    # that are all unmeasured, so its scale does not matter much (10 ms per sample).
+    default_seconds_per_sample: float = 0.01
+    # A ban lifts when the peer re-announces; with a static table it never would, so it also lifts
+    # after this long (the peer is then tried again and re-banned if it still fails).
+    max_ban_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ema_alpha <= 1:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if self.backward_weight <= 0 or self.default_seconds_per_sample <= 0 or self.max_ban_s < 0:
+            raise ValueError("backward_weight and default_seconds_per_sample must be positive, "
+                             "max_ban_s must not be negative")
+
+    def weight(self, kind: Kind) -> float:
+        """Cost of one sample of `kind` in forward-equivalents."""
+        if kind is Kind.FORWARD:
+            return 1.0
+        if kind is Kind.BACKWARD:
+            return self.backward_weight
+        return 1.0 + self.backward_weight
+
+
+class Throughput:
+    """Bias-corrected EMA of forward-equivalent seconds per sample (Adam-style correction: the
+    first measurements are not dragged towards the zero the average starts from)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self._ema = 0.0
+        self._count = 0
+
+    @property
+    def measured(self) -> bool:
+        return self._count > 0
+
+    def update(self, seconds_per_sample: float) -> None:
+        self._ema = self.alpha * seconds_per_sample + (1 - self.alpha) * self._ema
+        self._count += 1
+
+    @property
+    def seconds_per_sample(self) -> float:
+        return self._ema / (1 - (1 - self.alpha) ** self._count)
+
+    @property
+    def samples_per_s(self) -> float:
+        return 1.0 / self.seconds_per_sample if self.measured and self.seconds_per_sample > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One routing decision, handed back with the outcome so the right peer is charged."""
+
+    peer: StagePeer
+    kind: Kind
+    samples: int
+
+
+@dataclass
+class _Ban:
+    announcement: StagePeer
+    until: float
+    reason: str
+
+
+class StageWiring:
+    """The heap of one stage's peers."""
+
+    def __init__(self, stage: int, config: WiringConfig, rng: random.Random) -> None:
+        self.stage = stage
+        self.config = config
+        self._rng = rng
+        self._peers: dict[bytes, StagePeer] = {}
+        self._key: dict[bytes, float] = {}
+        self._heap: list[tuple[float, float, bytes]] = []  # (key, tie-break, peer_id); stale entries skipped
+        self._speed: dict[bytes, Throughput] = {}
+        self._bans: dict[bytes, _Ban] = {}
+
+    # ------------------------------------------------------------------ membership
+
+    def update(self, peers: list[StagePeer], now: float) -> None:
+        """Replace the peer list with a fresh read of the directory; bans lift on re-announcement."""
+        fresh = {p.peer_id: p for p in peers if p.stage == self.stage and p.state == "serving" and p.expires > now}
+        for peer_id, ban in list(self._bans.items()):
+            current = fresh.get(peer_id)
+            if current is None or current != ban.announcement or now >= ban.until:
+                del self._bans[peer_id]
+        entry = self._minimum()
+        for peer_id in self._peers.keys() - fresh.keys():
+            del self._key[peer_id]
+        for peer_id in fresh.keys() - self._peers.keys():
+            self._set_key(peer_id, entry)
+        self._peers = fresh
+        self._speed = {pid: s for pid, s in self._speed.items() if pid in fresh}
+
+    def ban(self, peer: StagePeer, now: float, reason: str) -> bool:
+        """True when this newly bans the peer (concurrent calls often fail on the same dead peer).
+        The ban remembers the announcement current now, not the one the failed call was routed by:
+        only a later change counts as re-announcing."""
+        current = self._peers.get(peer.peer_id)
+        if current is None:
+            return False
+        fresh = peer.peer_id not in self._bans
+        self._bans[peer.peer_id] = _Ban(current, now + self.config.max_ban_s, reason)
+        return fresh
+
+    def _lift_expired_bans(self, now: float) -> None:
+        for peer_id, ban in list(self._bans.items()):
+            if now >= ban.until or now >= ban.announcement.expires:
+                del self._bans[peer_id]
+
+    def usable(self, now: float) -> list[StagePeer]:
+        self._lift_expired_bans(now)
+        return [p for pid, p in self._peers.items() if pid not in self._bans]
+
+    @property
+    def peer_count(self) -> int:
+        return len(self._peers)
+
+    def banned(self) -> dict[bytes, str]:
+        return {pid: ban.reason for pid, ban in self._bans.items()}
+
+    # ------------------------------------------------------------------ routing
+
+    def choose(self, samples: int, kind: Kind, now: float,
+               exclude: frozenset[bytes] = frozenset()) -> Pick | None:
+        """The usable peer with the smallest expected finish, charged for this request; None when
+        no peer is usable (all gone, banned or excluded)."""
+        self._lift_expired_bans(now)
+        skipped = []
+        chosen = None
+        while self._heap:
+            key, tie, peer_id = heapq.heappop(self._heap)
+            if self._key.get(peer_id) != key:
+                continue  # stale entry: the peer left or its key moved on
+            if peer_id in self._bans or peer_id in exclude:
+                skipped.append((key, tie, peer_id))
+                continue
+            chosen = peer_id
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if chosen is None:
+            return None
+        self._set_key(chosen, self._key[chosen] + self.expected_seconds(chosen, samples, kind))
+        return Pick(self._peers[chosen], kind, samples)
+
+    def expected_seconds(self, peer_id: bytes, samples: int, kind: Kind) -> float:
+        return samples * self.config.weight(kind) * self._seconds_per_sample(peer_id)
+
+    def completed(self, pick: Pick, elapsed_s: float) -> None:
+        """A whole RPC took `elapsed_s` of wall time: that is the peer's measured speed."""
+        self._measure(pick, elapsed_s)
+
+    def timed_out(self, pick: Pick, elapsed_s: float) -> None:
+        """No ban: the elapsed time is a lower bound of the peer's true cost and slows it down."""
+        self._measure(pick, elapsed_s)
+
+    def busy(self, pick: Pick) -> None:
+        """Its queue is full: charge it one more such request so the next picks go elsewhere."""
+        peer_id = pick.peer.peer_id
+        if peer_id in self._key:
+            self._set_key(peer_id, self._key[peer_id] + self.expected_seconds(peer_id, pick.samples, pick.kind))
+
+    def samples_per_s(self, peer_id: bytes) -> float:
+        speed = self._speed.get(peer_id)
+        return speed.samples_per_s if speed is not None else math.inf
+
+    def key(self, peer_id: bytes) -> float:
+        return self._key[peer_id]
+
+    # ------------------------------------------------------------------ internals
+
+    def _measure(self, pick: Pick, elapsed_s: float) -> None:
+        peer_id = pick.peer.peer_id
+        if peer_id not in self._peers or pick.samples <= 0:
+            return
+        speed = self._speed.setdefault(peer_id, Throughput(self.config.ema_alpha))
+        speed.update(max(elapsed_s, 0.0) / (pick.samples * self.config.weight(pick.kind)))
+
+    def _seconds_per_sample(self, peer_id: bytes) -> float:
+        speed = self._speed.get(peer_id)
+        if speed is not None and speed.measured:
+            return speed.seconds_per_sample
+        measured = [s.seconds_per_sample for s in self._speed.values() if s.measured]
+        return sum(measured) / len(measured) if measured else self.config.default_seconds_per_sample
+
+    def _minimum(self) -> float:
+        return min(self._key.values(), default=0.0)
+
+    def _set_key(self, peer_id: bytes, key: float) -> None:
+        self._key[peer_id] = key
+        heapq.heappush(self._heap, (key, self._rng.random(), peer_id))
+        if len(self._heap) > 4 * len(self._key) + 16:  # drop stale entries so the heap stays O(peers)
+            self._heap = [(k, t, p) for k, t, p in self._heap if self._key.get(p) == k]
+            heapq.heapify(self._heap)
+
+
+class Wiring:
+    """Every stage's heap, sharing one seeded RNG so a run's routing is reproducible."""
+
+    def __init__(self, num_stages: int, config: WiringConfig = WiringConfig()) -> None:
+        rng = random.Random(config.seed)
+        self.config = config
+        self.stages = [StageWiring(i, config, rng) for i in range(num_stages)]
+
+    def __getitem__(self, stage: int) -> StageWiring:
+        return self.stages[stage]

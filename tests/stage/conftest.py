@@ -1,0 +1,128 @@
+"""Stage peers on loopback for the stage tests: each with its own RpcServer, Router and Pool."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.job import parse_toml
+from swarmd.stage import StageLimits, StageService
+from transport.rpc import Message, Pool, Router, RpcServer
+
+torch.set_num_threads(1)
+
+SPEC = """
+name = "stage-test"
+seed = 5
+steps = 20
+
+[model]
+arch = "transformer-lm"
+d_model = 32
+n_heads = 4
+layers_per_stage = 1
+
+[data]
+files = ["unused.txt"]
+seq_len = 16
+
+[batch]
+global_samples = {global_samples}
+microbatch_samples = {microbatch}
+
+[optim]
+name = "{optim}"
+lr = 0.05
+momentum = 0.9
+schedule = "constant"
+clip_norm = 0.0
+
+[wire]
+activations = "none"
+gradients = "none"
+
+[pipeline]
+stages = {stages}
+delayed_updates = {delayed}
+
+[checkpoint]
+every_steps = {every}
+"""
+
+JOB = hashlib.sha256(b"stage-test-job").digest()
+FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=3.0, max_wait_s=5.0)
+
+
+def make_spec(global_samples=8, microbatch=2, optim="sgd", stages=2, delayed=False, every=0):
+    return parse_toml(SPEC.format(global_samples=global_samples, microbatch=microbatch, optim=optim,
+                                  stages=stages, delayed=str(delayed).lower(), every=every))
+
+
+@dataclass
+class Peer:
+    service: StageService
+    rpc: RpcServer
+    pool: Pool
+
+    @property
+    def addr(self) -> str:
+        host, port = self.rpc.address
+        return f"{host}:{port}"
+
+    async def close(self) -> None:
+        await self.service.stop()
+        await self.rpc.close()
+        await self.pool.close()
+
+
+async def start_peer(spec, stage, index, directory: StaticDirectory, limits=FAST, state_dir=None,
+                     router: Router | None = None, announce=True) -> Peer:
+    """A stage peer listening on 127.0.0.1:0, announced in `directory` once it serves."""
+    router = router or Router()
+    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
+    pool = Pool()
+    peer_id = bytes([index]) * 32
+    addr = f"{rpc.address[0]}:{rpc.address[1]}"
+    service = StageService(spec, JOB, stage, peer_id, router, pool, directory, address=addr,
+                           limits=limits, state_dir=state_dir)
+    await service.start()
+    if announce:
+        announced = await directory.peers(JOB, stage)
+        directory.set(JOB, stage, [*announced, StagePeer(peer_id, addr, stage)])
+    return Peer(service, rpc, pool)
+
+
+@pytest.fixture
+async def client():
+    pool = Pool()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+def meta(stage):
+    return {"job": JOB, "stage": stage}
+
+
+def call_meta(stage, step, mb, samples):
+    return {"job": JOB, "stage": stage, "step": step, "mb": mb, "samples": samples}
+
+
+async def call(pool, peer, method, stage, step, mb, tensors, timeout=10.0):
+    samples = tensors[0].shape[0]
+    return await pool.call(peer.addr, method, Message(call_meta(stage, step, mb, samples), tensors, codec="none"),
+                           timeout=timeout)
+
+
+@pytest.fixture
+def kit():
+    """The helpers above (pytest's importlib mode cannot import conftest from a test module)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(FAST=FAST, JOB=JOB, call=call, call_meta=call_meta, meta=meta, make_spec=make_spec,
+                           start_peer=start_peer)

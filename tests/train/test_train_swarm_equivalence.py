@@ -1,0 +1,116 @@
+"""Trainers driving real stage peers (StageServer + StageService) over loopback TCP, in one process,
+against the single-process reference trainer."""
+
+import asyncio
+import math
+
+from swarmd.reference import ReferenceTrainer
+from swarmd.train.trainer import Trainer
+
+
+def global_losses(events, global_samples):
+    """The step's mean loss from every shard's events: Σ shard_loss × samples / global_samples."""
+    by_step = {}
+    for e in events:
+        by_step[e.step] = by_step.get(e.step, 0.0) + e.shard_loss * e.samples
+    return [by_step[s] / global_samples for s in sorted(by_step)]
+
+
+async def run_trainers(spec, data, swarm_, pools, kit, shards=2, steps=5):
+    events = []
+    trainers = [Trainer(spec, kit.JOB_ID, swarm_.directory, pool, data, shard=k, shards=shards,
+                        config=kit.TRAINER_CONFIG, on_event=events.append)
+                for k, pool in enumerate(pools(shards))]
+    results = await asyncio.wait_for(asyncio.gather(*(t.run(0, steps) for t in trainers)), timeout=60)
+    return trainers, results, [e for e in events if hasattr(e, "step")]
+
+
+async def test_sgd_with_momentum_matches_the_reference(tiny_job, swarm, pools, kit):
+    """Steps: 3 stages × 2 peers, 2 trainers (shards 0 and 1 of 2), codec none, SGD with momentum,
+    delayed_updates = false; train 5 steps. Expected: every peer of every stage holds the
+    reference's parameters within 1e-5 relative; each step's loss equals the reference's; every
+    stage's step record has exactly global_samples and no duplicates."""
+    spec, data = tiny_job(optim="sgd", lr=0.1)
+    swarm_ = await swarm(spec, peers_per_stage=2)
+    trainers, results, events = await run_trainers(spec, data, swarm_, pools, kit)
+    reference = ReferenceTrainer(spec, data)
+    ref_losses = [r.loss for r in reference.train(5)]
+
+    assert [[e.step for e in r] for r in results] == [list(range(5))] * 2
+    losses = global_losses(events, spec.batch.global_samples)
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
+    for e in events:
+        assert e.stage_samples == (spec.batch.global_samples,) * 3 and e.duplicates == (0, 0, 0), e
+    worst = kit.max_relative_difference(swarm_, reference)
+    print(f"SGD+momentum, 5 steps, 3 stages x 2 peers, 2 trainers: max relative difference {worst:.2e}")
+    assert worst <= 1e-5
+    for peer in swarm_.peers:
+        assert peer.service.committed == 5
+    # Both peers of every stage did work: the wiring spread it.
+    for stage in range(3):
+        assert all(t.wiring[stage].samples_per_s(p.peer_id) < math.inf
+                   for t in trainers for p in swarm_.of_stage(stage)), stage
+
+
+async def test_adamw_losses_match_the_reference_every_step(tiny_job, swarm, pools, kit):
+    """Steps: the same swarm with AdamW (lr 3e-3); 5 steps. Expected: each step's global mean loss
+    within 1e-3 relative of the reference's."""
+    spec, data = tiny_job(optim="adamw", lr=3e-3)
+    swarm_ = await swarm(spec, peers_per_stage=2)
+    _, _, events = await run_trainers(spec, data, swarm_, pools, kit)
+    ref_losses = [r.loss for r in ReferenceTrainer(spec, data).train(5)]
+    losses = global_losses(events, spec.batch.global_samples)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    print(f"AdamW losses {[round(v, 4) for v in losses]}, reference {[round(v, 4) for v in ref_losses]}, "
+          f"max relative difference {worst:.2e}")
+    assert len(losses) == 5 and worst <= 1e-3
+
+
+async def test_one_trainer_reports_the_global_loss(tiny_job, swarm, pools, kit):
+    """Steps: 2 stages × 1 peer, one trainer (K = 1), 4 microbatches in flight, 2 steps; then a new
+    trainer with no start step. Expected: `global_loss` of each event equals the reference's loss;
+    tokens/s and peers per stage reported; the new trainer starts at the swarm's step, 2."""
+    spec, data = tiny_job(optim="sgd", lr=0.1, stages=2, in_flight=4)
+    swarm_ = await swarm(spec, peers_per_stage=1)
+    _, results, events = await run_trainers(spec, data, swarm_, pools, kit, shards=1, steps=2)
+    ref_losses = [r.loss for r in ReferenceTrainer(spec, data).train(2)]
+    assert [e.global_loss for e in events] == [e.shard_loss for e in events]
+    for e, want in zip(events, ref_losses):
+        assert abs(e.global_loss - want) <= 1e-5 * want
+        assert e.tokens_per_s > 0 and e.peers_per_stage == (1, 1) and e.samples == spec.batch.global_samples
+    # A trainer joining now starts where the swarm is: step 2.
+    late = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=kit.TRAINER_CONFIG)
+    assert [e.step for e in await asyncio.wait_for(late.run(stop_step=3), 30)] == [2]
+
+
+async def test_a_peer_announced_mid_run_is_found_and_used(tiny_job, swarm, pools, kit):
+    """Steps: 2 stages × 1 peer, one trainer, 12 steps in one `run`; after step 1 commits, a second
+    peer of stage 0 starts (downloading the stage's state from its mate) and is announced.
+    Expected: the trainer's background refresher finds it within `refresh_s`, the wiring sends it
+    work (the trainer measured its speed), it commits every remaining step with its mate, and all
+    12 losses and the final parameters still equal the reference's."""
+    spec, data = tiny_job(optim="sgd", lr=0.1, stages=2, steps=12)
+    swarm_ = await swarm(spec, peers_per_stage=1)
+    committed = asyncio.Event()
+
+    def on_event(event):
+        if getattr(event, "step", -1) == 1:
+            committed.set()
+
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=kit.TRAINER_CONFIG,
+                      on_event=on_event)
+    task = asyncio.create_task(trainer.run(0, 12))
+    await asyncio.wait_for(committed.wait(), 30)
+    newcomer = await swarm_.add_peer(0, b"\x99" * 32)
+    events = await asyncio.wait_for(task, 60)
+    assert [e.step for e in events] == list(range(12))
+    assert events[-1].peers_per_stage == (2, 1)
+    assert trainer.wiring[0].samples_per_s(newcomer.peer_id) < math.inf
+    assert newcomer.service.committed == 12
+    reference = ReferenceTrainer(spec, data)
+    for e, r in zip(events, reference.train(12)):
+        assert abs(e.global_loss - r.loss) <= 1e-5 * r.loss
+    worst = kit.max_relative_difference(swarm_, reference)
+    print(f"peer joined mid-run: max relative difference {worst:.2e}")
+    assert worst <= 1e-5

@@ -1,0 +1,203 @@
+"""Stochastic wiring as a pure data structure: picks, measurements, bans, no sockets."""
+
+import collections
+import math
+import random
+
+import pytest
+
+from swarmd.directory import StagePeer
+from swarmd.train.wiring import Kind, Throughput, Wiring, WiringConfig
+
+NOW = 1000.0
+
+
+def peer(name: str, stage: int = 0, **kw) -> StagePeer:
+    return StagePeer(peer_id=name.encode(), addr=f"127.0.0.1:{1000 + ord(name[0])}", stage=stage, **kw)
+
+
+def stage_of(names, config=WiringConfig(seed=1)):
+    wiring = Wiring(1, config)
+    wiring[0].update([peer(n) for n in names], NOW)
+    return wiring[0]
+
+
+def measure(stage, name, samples_per_s, times=5):
+    """Report `times` forward RPCs of 10 samples at the given speed for one peer."""
+    for _ in range(times):
+        pick = stage.choose(10, Kind.FORWARD, NOW, exclude=frozenset(p.peer_id for p in stage.usable(NOW)
+                                                                      if p.peer_id != name.encode()))
+        stage.completed(pick, 10 / samples_per_s)
+
+
+def test_ema_is_bias_corrected():
+    speed = Throughput(alpha=0.1)
+    speed.update(0.5)
+    assert speed.seconds_per_sample == pytest.approx(0.5)  # not 0.05: the zero start is corrected away
+    speed.update(1.0)
+    expected = (0.1 * 1.0 + 0.9 * 0.05) / (1 - 0.9**2)
+    assert speed.seconds_per_sample == pytest.approx(expected)
+    assert speed.samples_per_s == pytest.approx(1 / expected)
+
+
+def test_smallest_expected_finish_wins():
+    stage = stage_of("ab")
+    measure(stage, "a", samples_per_s=100)
+    measure(stage, "b", samples_per_s=10)
+    a, b = b"a", b"b"
+    # The next pick goes to whichever key is smaller, and charges samples / speed.
+    first = min((a, b), key=stage.key)
+    before = stage.key(first)
+    pick = stage.choose(10, Kind.FORWARD, NOW)
+    assert pick.peer.peer_id == first
+    per_sample = 1 / 100 if first == a else 1 / 10
+    assert stage.key(first) == pytest.approx(before + 10 * per_sample)
+
+
+def test_backward_is_weighted():
+    config = WiringConfig(seed=1, backward_weight=2.5)
+    stage = stage_of("a", config)
+    measure(stage, "a", samples_per_s=100)
+    before = stage.key(b"a")
+    stage.choose(4, Kind.BACKWARD, NOW)
+    assert stage.key(b"a") == pytest.approx(before + 4 * 2.5 / 100)
+    before = stage.key(b"a")
+    stage.choose(4, Kind.FORWARD_BACKWARD, NOW)
+    assert stage.key(b"a") == pytest.approx(before + 4 * 3.5 / 100)
+
+
+def test_backward_measurements_are_normalised_to_forward_equivalents():
+    stage = stage_of("a", WiringConfig(seed=1, backward_weight=2.0))
+    pick = stage.choose(10, Kind.BACKWARD, NOW)
+    stage.completed(pick, 2.0)  # 10 samples × weight 2 in 2 s: 10 forward samples/s
+    assert stage.samples_per_s(b"a") == pytest.approx(10)
+
+
+def test_unmeasured_peer_enters_at_the_current_minimum():
+    stage = stage_of("ab")
+    measure(stage, "a", samples_per_s=10, times=20)
+    measure(stage, "b", samples_per_s=10, times=30)
+    low = min(stage.key(b"a"), stage.key(b"b"))
+    assert low > 5  # both have accumulated history
+    stage.update([peer("a"), peer("b"), peer("c")], NOW)
+    assert stage.key(b"c") == pytest.approx(low)
+    lowest = {pid for pid in (b"a", b"b", b"c") if stage.key(pid) == pytest.approx(low)}
+    assert stage.choose(1, Kind.FORWARD, NOW).peer.peer_id in lowest
+
+
+def test_ties_are_broken_by_the_seeded_rng():
+    def first_picks(seed):
+        stage = stage_of("abcdefgh", WiringConfig(seed=seed))
+        return [stage.choose(1, Kind.FORWARD, NOW).peer.peer_id for _ in range(8)]
+
+    assert first_picks(1) == first_picks(1)
+    assert sorted(first_picks(1)) == sorted(b"abcdefgh"[i:i + 1] for i in range(8))  # each once
+    assert any(first_picks(1) != first_picks(s) for s in range(2, 6))
+
+
+def test_distribution_matches_measured_speeds():
+    """Peers running at 10, 20 and 40 samples/s (each RPC's time jittered ±30%, seeded) get about
+    1/7, 2/7 and 4/7 of 7000 picks."""
+    rng = random.Random(3)
+    stage = stage_of("abc", WiringConfig(seed=7))
+    speeds = {b"a": 10.0, b"b": 20.0, b"c": 40.0}
+    counts = collections.Counter()
+    for _ in range(7000):
+        pick = stage.choose(8, Kind.FORWARD, NOW)
+        counts[pick.peer.peer_id] += 1
+        stage.completed(pick, 8 / speeds[pick.peer.peer_id] * rng.uniform(0.7, 1.3))
+    total = sum(speeds.values())
+    for pid, speed in speeds.items():
+        share = counts[pid] / 7000
+        print(f"peer {pid.decode()}: share {share:.3f}, expected {speed / total:.3f}")
+        assert share == pytest.approx(speed / total, abs=0.02)
+
+
+def test_a_timeout_does_not_ban_but_slows_the_peer_down():
+    stage = stage_of("ab")
+    measure(stage, "a", samples_per_s=100)
+    measure(stage, "b", samples_per_s=100)
+    pick = stage.choose(10, Kind.FORWARD, NOW)
+    stage.timed_out(pick, 30.0)
+    assert {p.peer_id for p in stage.usable(NOW)} == {b"a", b"b"}
+    assert stage.samples_per_s(pick.peer.peer_id) < 10  # the 30 s lower bound entered the EMA
+    other = ({b"a", b"b"} - {pick.peer.peer_id}).pop()
+    picks = collections.Counter(stage.choose(10, Kind.FORWARD, NOW).peer.peer_id for _ in range(20))
+    assert picks[other] > picks[pick.peer.peer_id]
+
+
+def test_busy_charges_one_more_request():
+    stage = stage_of("a")
+    measure(stage, "a", samples_per_s=10)
+    pick = stage.choose(10, Kind.FORWARD, NOW)
+    before = stage.key(b"a")
+    stage.busy(pick)
+    assert stage.key(b"a") == pytest.approx(before + 1.0)
+    assert stage.usable(NOW) == [peer("a")]
+
+
+def test_ban_lasts_until_the_peer_re_announces():
+    stage = stage_of("ab")
+    assert stage.ban(peer("a"), NOW, "connection lost") is True
+    assert stage.ban(peer("a"), NOW, "connection lost") is False  # already banned: counted once
+    assert stage.banned() == {b"a": "connection lost"}
+    assert all(stage.choose(1, Kind.FORWARD, NOW).peer.peer_id == b"b" for _ in range(10))
+    stage.update([peer("a"), peer("b")], NOW + 1)  # same announcement: still banned
+    assert stage.usable(NOW + 1) == [peer("b")]
+    stage.update([peer("a", step=1), peer("b")], NOW + 2)  # re-announced (its record changed)
+    assert {p.peer_id for p in stage.usable(NOW + 2)} == {b"a", b"b"}
+
+
+def test_a_ban_is_against_the_announcement_current_when_banned():
+    stage = stage_of("ab")
+    routed_by = peer("a")  # the call was routed by this record...
+    stage.update([peer("a", step=3), peer("b")], NOW)  # ...then a refresh brought a newer one
+    stage.ban(routed_by, NOW + 1, "connection lost")
+    stage.update([peer("a", step=3), peer("b")], NOW + 2)  # nothing new since the ban
+    assert b"a" in stage.banned()
+
+
+def test_ban_lifts_when_the_announcement_expires_or_after_max_ban():
+    stage = stage_of("ab", WiringConfig(seed=1, max_ban_s=60))
+    stage.update([peer("a", expires=NOW + 30), peer("b")], NOW)
+    stage.ban(peer("a", expires=NOW + 30), NOW, "not_serving")
+    assert stage.choose(1, Kind.FORWARD, NOW + 29, exclude=frozenset({b"b"})) is None
+    assert stage.choose(1, Kind.FORWARD, NOW + 29.5, exclude=frozenset({b"b"})) is None
+    # Announcement lapsed: the peer leaves on the next refresh, and its ban with it.
+    stage.update([peer("b")], NOW + 31)
+    assert stage.banned() == {}
+    stage.update([peer("a"), peer("b")], NOW + 40)
+    stage.ban(peer("a"), NOW + 40, "bad output")
+    assert stage.choose(1, Kind.FORWARD, NOW + 99, exclude=frozenset({b"b"})) is None
+    assert stage.choose(1, Kind.FORWARD, NOW + 100, exclude=frozenset({b"b"})).peer.peer_id == b"a"
+
+
+def test_no_usable_peer_gives_none_and_departed_peers_are_forgotten():
+    stage = stage_of("ab")
+    assert stage.choose(1, Kind.FORWARD, NOW, exclude=frozenset({b"a", b"b"})) is None
+    stage.update([peer("b")], NOW)
+    assert all(stage.choose(1, Kind.FORWARD, NOW).peer.peer_id == b"b" for _ in range(5))
+    stage.update([], NOW)
+    assert stage.choose(1, Kind.FORWARD, NOW) is None
+    assert stage.peer_count == 0
+
+
+def test_peers_not_serving_or_of_another_stage_are_ignored():
+    stage = stage_of("")
+    stage.update([peer("a", state="joining"), peer("b", stage=1), peer("c", expires=NOW - 1), peer("d")], NOW)
+    assert stage.usable(NOW) == [peer("d")]
+
+
+def test_heap_stays_small_over_many_picks():
+    stage = stage_of("abcd")
+    for _ in range(10_000):
+        stage.choose(1, Kind.FORWARD, NOW)
+    assert len(stage._heap) <= 4 * 4 + 16
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError):
+        WiringConfig(ema_alpha=0)
+    with pytest.raises(ValueError):
+        WiringConfig(backward_weight=-1)
+    assert math.isinf(Throughput(0.1).samples_per_s)
