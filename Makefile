@@ -5,8 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU wheel cached on this kind of machine; an unpinned torch pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# Each benchmark prints one JSON object; `make bench` keeps them in bench/out/NAME.json.
+BENCHES ?= transport dht rebalance square_cube fuzz convergence
+BENCH_FLAGS ?=
 
-.PHONY: test bench clean
+.PHONY: test test-system bench demo clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,8 +21,17 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# The unit under a real systemd: Debian containers booted with systemd-nspawn (root; see
+# docs/testing-system.md). The script installs what it needs and caches the image.
+test-system: $(STAMP)
+	scripts/test-system.sh
+
 bench: $(STAMP)
-	$(BIN)/python bench/transport.py
+	mkdir -p bench/out
+	set -e; for b in $(BENCHES); do \
+		echo "== bench/$$b.py"; \
+		$(BIN)/python bench/$$b.py $(BENCH_FLAGS) | tee bench/out/$$b.json; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
