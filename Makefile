@@ -33,5 +33,11 @@ bench: $(STAMP)
 		$(BIN)/python bench/$$b.py $(BENCH_FLAGS) | tee bench/out/$$b.json; \
 	done
 
+# The main job end to end: a local swarm trains a byte-level LM on the stdlib's own sources while
+# peers are preempted, then plots its loss beside a single-process baseline (docs/demo.md).
+DEMO_FLAGS ?=
+demo: $(STAMP)
+	$(BIN)/python -m swarmd.demo $(DEMO_FLAGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

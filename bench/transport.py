@@ -10,12 +10,15 @@
   `tc qdisc ... tbf rate 200mbit`; goodput as a fraction of the link rate for raw fp32 payloads,
   the fp32-equivalent rate with fp16 and fp16+lz4, and the same tensors as torch.save bytes over
   plain asyncio streams as the baseline.
+- encryption: what `RpcConfig(encrypt=True)` (ChaCha20-Poly1305 records) costs on loopback, where
+  the CPU and not the link is the limit: small-call p50 and 64 MB goodput against two fresh server
+  processes, one plain and one encrypted, with the plain one as the baseline of the same run.
 
 All throughputs are GB/s (10^9 bytes per second); ratios are to the shaped link's rate. The test
 tensors are activations after a ReLU (fp32, about half zeros), which is what a stage sends forward.
 
 The script is also its own helper processes (`--serve-rpc`, `--serve-raw`, `--serve-echo`,
-`--shaped-client`), started as subprocesses, inside the namespaces for the shaped link.
+`--shaped-client`, `--serve-rpc-encrypted`), started as subprocesses, inside the namespaces for the shaped link.
 """
 
 from __future__ import annotations
@@ -120,8 +123,8 @@ def _router() -> Router:
     return router
 
 
-async def serve_rpc(host: str, port: int) -> None:
-    server = await RpcServer.serve_tcp(_router(), host, port, RpcConfig())
+async def serve_rpc(host: str, port: int, encrypt: bool = False) -> None:
+    server = await RpcServer.serve_tcp(_router(), host, port, RpcConfig(encrypt=encrypt))
     print(server.port, flush=True)
     await asyncio.Event().wait()
 
@@ -280,6 +283,40 @@ async def bench_loopback(quick: bool, forked_port: int) -> dict:
         stop(echo)
 
 
+async def bench_encryption(quick: bool) -> dict:
+    """Plain and encrypted servers side by side, measured the same way, alternating; the plain one
+    is the baseline."""
+    plain, plain_port = start_helper(["--serve-rpc", "127.0.0.1", "0"])
+    sealed, sealed_port = start_helper(["--serve-rpc-encrypted", "127.0.0.1", "0"])
+    pools = {"plain": Pool(RpcConfig()), "encrypted": Pool(RpcConfig(encrypt=True))}
+    ports = {"plain": plain_port, "encrypted": sealed_port}
+    try:
+        calls = 1000 if quick else 5000
+        tensor = torch.ones(16 * 1024 * 1024)  # 64 MB
+        count = 4 if quick else 8
+        figures: dict[str, dict] = {}
+        for name, pool in pools.items():
+            address = ("127.0.0.1", ports[name])
+            p50, _ = await measure_latency(pool, address, calls)
+            await send_tensors(pool, address, [tensor], "none")
+            seconds = await send_tensors(pool, address, [tensor] * count, "none")
+            figures[name] = {"p50_us": p50, "gbps": count * tensor.nbytes / seconds / 1e9}
+        return {
+            "cipher": "ChaCha20-Poly1305",
+            "rpc_p50_us_plain": round(figures["plain"]["p50_us"], 1),
+            "rpc_p50_us_encrypted": round(figures["encrypted"]["p50_us"], 1),
+            "latency_ratio": round(figures["encrypted"]["p50_us"] / figures["plain"]["p50_us"], 3),
+            "goodput_gbps_plain": round(figures["plain"]["gbps"], 3),
+            "goodput_gbps_encrypted": round(figures["encrypted"]["gbps"], 3),
+            "goodput_ratio": round(figures["encrypted"]["gbps"] / figures["plain"]["gbps"], 3),
+        }
+    finally:
+        for pool in pools.values():
+            await pool.close()
+        stop(plain)
+        stop(sealed)
+
+
 # ------------------------------------------------------------------------------- shaped link
 
 
@@ -364,6 +401,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller tensors and fewer repeats (~30 s)")
     parser.add_argument("--serve-rpc", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-rpc-encrypted", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-echo", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--shaped-client", nargs=4, metavar=("HOST", "RPC", "RAW", "MB"), help=argparse.SUPPRESS)
@@ -371,6 +409,8 @@ def main() -> None:
     run = asyncio.Runner(loop_factory=new_event_loop)
     if args.serve_rpc:
         run.run(serve_rpc(args.serve_rpc[0], int(args.serve_rpc[1])))
+    elif args.serve_rpc_encrypted:
+        run.run(serve_rpc(args.serve_rpc_encrypted[0], int(args.serve_rpc_encrypted[1]), encrypt=True))
     elif args.serve_echo:
         run.run(serve_echo(args.serve_echo[0], int(args.serve_echo[1])))
     elif args.serve_raw:
@@ -389,6 +429,7 @@ def main() -> None:
         finally:
             os.kill(forked_pid, signal.SIGKILL)
             os.waitpid(forked_pid, 0)
+        report["encryption"] = run.run(bench_encryption(args.quick))
         shaped, reason = bench_shaped(args.quick)
         report["shaped_link"] = shaped
         if reason is not None:

@@ -122,9 +122,12 @@ class Client:
     async def drain(self) -> dict[str, Any]:
         return await self.call("drain")
 
-    # --- jobs (docs/control-api.md; answered `not_available` until the training issue) ---
-    async def submit(self, spec: dict[str, Any], data: Sequence[str] = ()) -> dict[str, Any]:
-        return await self.call("job.submit", spec=spec, data=list(data))
+    # --- jobs (docs/control-api.md; `job.train`/`job.serve` answer `not_available` until stages run in the daemon) ---
+    async def submit(self, spec: dict[str, Any], data: Sequence[str] = (), base: str | None = None,
+                     trainers: int = 1) -> dict[str, Any]:
+        """`base`: the spec file's directory, where the spec's relative data paths start;
+        `trainers`: shards this daemon runs (0: publish only, trainers join with `train`)."""
+        return await self.call("job.submit", spec=spec, data=list(data), base=base, trainers=trainers)
 
     async def jobs(self) -> list[dict[str, Any]]:
         return (await self.call("job.list"))["jobs"]
@@ -135,8 +138,8 @@ class Client:
     async def cancel(self, job: str) -> dict[str, Any]:
         return await self.call("job.cancel", job=job)
 
-    async def train(self, job: str, data: Sequence[str]) -> dict[str, Any]:
-        return await self.call("job.train", job=job, data=list(data))
+    async def train(self, job: str, data: Sequence[str], shard: int = 0, shards: int = 1) -> dict[str, Any]:
+        return await self.call("job.train", job=job, data=list(data), shard=shard, shards=shards)
 
     async def serve(self, job: str, stage: int | None = None) -> dict[str, Any]:
         return await self.call("job.serve", job=job, stage=stage)
@@ -171,8 +174,9 @@ class SyncClient:
     def drain(self) -> dict[str, Any]:
         return self._run("drain")
 
-    def submit(self, spec: dict[str, Any], data: Sequence[str] = ()) -> dict[str, Any]:
-        return self._run("submit", spec, data)
+    def submit(self, spec: dict[str, Any], data: Sequence[str] = (), base: str | None = None,
+               trainers: int = 1) -> dict[str, Any]:
+        return self._run("submit", spec, data, base, trainers)
 
     def jobs(self) -> list[dict[str, Any]]:
         return self._run("jobs")
@@ -183,8 +187,8 @@ class SyncClient:
     def cancel(self, job: str) -> dict[str, Any]:
         return self._run("cancel", job)
 
-    def train(self, job: str, data: Sequence[str]) -> dict[str, Any]:
-        return self._run("train", job, data)
+    def train(self, job: str, data: Sequence[str], shard: int = 0, shards: int = 1) -> dict[str, Any]:
+        return self._run("train", job, data, shard, shards)
 
     def serve(self, job: str, stage: int | None = None) -> dict[str, Any]:
         return self._run("serve", job, stage)

@@ -311,6 +311,20 @@ class MetricsSection:
 
 
 @dataclass(frozen=True)
+class JobsSection:
+    max_stages: int = setting(
+        4, _int_kind(0), "stages of all jobs this daemon hosts at once (job.serve beyond it is refused); 0 serves none",
+    )
+    directory_ttl_s: float = setting(
+        1.0, _float_kind(0.0),
+        "how long a DHT read of a stage's peers is reused; announcements change only at their refresh",
+    )
+    torch_threads: int = setting(
+        1, _int_kind(1), "torch threads per served stage's compute workers; raise on a big CPU host",
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a daemon needs, passed down as one object."""
 
@@ -320,6 +334,7 @@ class Config:
     peers: PeersSection = field(default_factory=PeersSection)
     log: LogSection = field(default_factory=LogSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    jobs: JobsSection = field(default_factory=JobsSection)
     #: The DHT's own settings (swarmd.dht.config.DHTConfig, explained in docs/dht.md): its fields
     #: are taken as they are, their kinds read off their defaults, so a new DHT limit is
     #: configurable here without being declared twice.

@@ -5,8 +5,9 @@ loosened by mistake (or by a `.socket` unit's SocketMode); the kernel's SO_PEERC
 really connecting, so every connection is checked again. Admitted: root, the daemon's own user, and
 members of the socket file's group (by the process's group or the user's group list).
 
-Method names and payloads are specified in docs/control-api.md. The job methods are reserved here
-and answer the typed error `not_available` until the training issue implements them.
+Method names and payloads are specified in docs/control-api.md. The job methods are answered by the
+daemon's `swarmd.jobs` parts: the registry (submit, list, get, cancel, logs), `Serving` (job.serve)
+and `Training` (trainers of job.submit and job.train).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Protocol
 
 from swarmd.dht import DHTError, dht_key
+from swarmd.jobs import JobRegistry, JobRequestError
+from swarmd.jobs.serving import Serving
+from swarmd.jobs.training import Training
 from transport.errors import RpcError
 from transport.message import Message, RemoteInfo, Request, Router
 
@@ -35,10 +39,8 @@ MAX_KEY_PART_BYTES = 256
 LISTEN_BACKLOG = 64
 SOCKET_MODE = 0o660
 
-#: Job methods that the training issue implements; until then each answers `not_available`.
-JOB_METHODS = ("job.submit", "job.list", "job.get", "job.cancel", "job.train", "job.serve")
-JOB_STREAM_METHODS = ("job.logs",)
-NOT_AVAILABLE = "not_available"
+#: Trainer shards one `job.submit` may ask this daemon to run.
+MAX_LOCAL_TRAINERS = 64
 
 
 class DaemonView(Protocol):
@@ -52,12 +54,11 @@ class DaemonView(Protocol):
 
     def request_drain(self, reason: str) -> dict[str, Any]: ...
 
+    @property
+    def jobs(self) -> JobRegistry: ...
 
-def _not_available(method: str) -> RpcError:
-    return RpcError(
-        NOT_AVAILABLE,
-        f"{method} is not available until the training issue lands: this daemon runs no jobs yet",
-    )
+    serving: Serving
+    training: Training
 
 
 def register(router: Router, daemon: DaemonView) -> None:
@@ -80,21 +81,106 @@ def register(router: Router, daemon: DaemonView) -> None:
         pid = req.peer.peercred[0] if req.peer.peercred else None
         return Message(daemon.request_drain(f"swarmctl drain (pid {pid})"))
 
-    async def job_unary(req: Request) -> Message:
-        raise _not_available(req.method)
+    async def job_submit(req: Request) -> Message:
+        data = req.meta.get("data") or []
+        base = req.meta.get("base")
+        if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+            raise RpcError("bad_request", "data: a list of absolute paths")
+        if base is not None and not isinstance(base, str):
+            raise RpcError("bad_request", "base: the spec file's directory, an absolute path")
+        trainers = req.meta.get("trainers", 1)
+        if isinstance(trainers, bool) or not isinstance(trainers, int) or not 0 <= trainers <= MAX_LOCAL_TRAINERS:
+            raise RpcError("bad_request", f"trainers: an integer in 0..{MAX_LOCAL_TRAINERS}")
+        with _job_errors():
+            job = daemon.jobs.submit(req.meta.get("spec"), data, base, req.peer.peercred)
+        if trainers:
+            per_step = job.spec.batch.microbatches_per_step
+            if trainers > per_step:
+                raise RpcError("bad_request", f"trainers: at most {per_step} (microbatches per step)")
+            if job.job_id not in daemon.training.started:
+                await daemon.training.start(job, range(trainers), trainers)
+        return Message({"job": job.job_id.hex(), "name": job.spec.name, "stages": job.spec.pipeline.stages})
 
-    async def job_stream(req: Request):
-        raise _not_available(req.method)
-        yield  # an async generator, as stream handlers are
+    async def job_list(req: Request) -> Message:
+        with _job_errors():
+            await daemon.jobs.refresh()
+        return Message({"jobs": [j.summary() for j in daemon.jobs.jobs.values()]})
+
+    async def job_get(req: Request) -> Message:
+        with _job_errors():
+            job = await daemon.jobs.find(req.meta.get("job"))
+            return Message(await daemon.jobs.describe(job))
+
+    async def job_cancel(req: Request) -> Message:
+        with _job_errors():
+            job = await daemon.jobs.find(req.meta.get("job"))
+            daemon.jobs.cancel(job)
+        daemon.training.cancel(job)
+        return Message({"job": job.job_id.hex(), "state": job.state})
+
+    async def job_logs(req: Request):
+        with _job_errors():
+            job = await daemon.jobs.find(req.meta.get("job"))
+        async for event in daemon.jobs.events(job, bool(req.meta.get("follow"))):
+            yield Message(event)
 
     router.unary("status", status)
     router.unary("peers", peers)
     router.unary("dht.get", dht_get)
     router.unary("drain", drain)
-    for name in JOB_METHODS:
-        router.unary(name, job_unary)
-    for name in JOB_STREAM_METHODS:
-        router.stream(name, job_stream)
+    async def job_serve(req: Request) -> Message:
+        stage = req.meta.get("stage")
+        with _job_errors():
+            job = await daemon.jobs.find(req.meta.get("job"))
+            if stage is None:
+                stages = await daemon.jobs.stage_peers(job)
+                stage = min(stages, key=lambda s: (len(s["peers"]), s["stage"]))["stage"]
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < job.spec.pipeline.stages:
+            raise RpcError("bad_request", f"stage: an integer in 0..{job.spec.pipeline.stages - 1} or null")
+        try:
+            await daemon.serving.serve(job.spec, job.job_id, stage)
+        except ValueError as exc:
+            raise RpcError("busy", f"stage: {exc}") from None
+        return Message({"job": job.job_id.hex(), "stage": stage})
+
+    async def job_train(req: Request) -> Message:
+        data = req.meta.get("data") or []
+        shard, shards = req.meta.get("shard", 0), req.meta.get("shards", 1)
+        if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+            raise RpcError("bad_request", "data: a list of absolute paths")
+        with _job_errors():
+            job = await daemon.jobs.find(req.meta.get("job"))
+            daemon.jobs.attach_data(job, data, req.peer.peercred)
+        per_step = job.spec.batch.microbatches_per_step
+        for name, value in (("shards", shards), ("shard", shard)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RpcError("bad_request", f"{name}: an integer")
+        if not 1 <= shards <= per_step or not 0 <= shard < shards:
+            raise RpcError("bad_request", f"shard: shard in 0..shards-1, shards in 1..{per_step}")
+        await daemon.training.start(job, range(shard, shard + 1), shards)
+        return Message({"job": job.job_id.hex(), "trainer": f"{shard}/{shards}"})
+
+    router.unary("job.submit", job_submit)
+    router.unary("job.list", job_list)
+    router.unary("job.get", job_get)
+    router.unary("job.cancel", job_cancel)
+    router.stream("job.logs", job_logs)
+    router.unary("job.serve", job_serve)
+    router.unary("job.train", job_train)
+
+
+class _job_errors:
+    """Turn the registry's and the DHT's failures into the control API's typed errors."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, JobRequestError):
+            raise RpcError(exc.code, exc.message) from None
+        if isinstance(exc, DHTError):
+            raise RpcError("dht_failed", str(exc)) from None
+        return False
 
 
 def _key_parts(raw: object) -> list[str | int | bytes]:

@@ -2,7 +2,7 @@
 
 Exit statuses: 0 done; 1 the daemon refused the request (typed error, printed); 2 bad usage or a
 bad input file; 4 no usable daemon (not running, not permitted). Output carries no colour at all,
-so NO_COLOR holds trivially; progress bars arrive with `logs --follow` in the training issue.
+so NO_COLOR holds trivially; `logs` prints one line per event (no progress bar yet).
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import asyncio
 import json
 import logging
 import sys
+import time
 import tomllib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from swarmd.plot import add_plot_parser, plot_command
 from swarmd.client import DEFAULT_TIMEOUT_S, SOCKET_ENV, Client, ControlError, DaemonUnavailable, SyncClient
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
 
@@ -53,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("spec", type=Path, metavar="JOB.toml")
     submit.add_argument("--data", action="append", default=[], metavar="PATH", help="local data (repeatable)")
     submit.add_argument("--follow", action="store_true", help="then follow its progress")
+    submit.add_argument("--trainers", type=int, default=1, metavar="K",
+                        help="trainer shards this daemon runs (0: none; others join with `train`)")
     command("jobs", "jobs known to the swarm")
     command("job", "one job: stages, peers, samples/s, step, loss").add_argument("job")
     logs = command("logs", "a job's progress events")
@@ -62,9 +66,12 @@ def parser() -> argparse.ArgumentParser:
     train = command("train", "run a trainer for a running job on local data")
     train.add_argument("job")
     train.add_argument("--data", action="append", required=True, metavar="PATH", help="local data (repeatable)")
+    train.add_argument("--shard", type=int, default=0, metavar="k", help="which shard of each step's microbatches")
+    train.add_argument("--shards", type=int, default=1, metavar="K", help="how many trainer shards split a step")
     serve = command("serve", "serve a stage of a job (pin by hand)")
     serve.add_argument("job")
     serve.add_argument("--stage", type=int, metavar="I")
+    add_plot_parser(sub)
     return p
 
 
@@ -99,7 +106,7 @@ def _duration(seconds: float) -> str:
 
 
 def _status_text(s: dict[str, Any]) -> str:
-    serving = ", ".join(s["serving"]["stages"]) or "no stages (jobs arrive with the training issue)"
+    serving = ", ".join(s["serving"]["stages"]) or "no stages"
     rows = [
         ("peer id", s["peer_id"]), ("version", s["version"]), ("pid", s["pid"]),
         ("uptime", _duration(s["uptime_s"])), ("listen", s["listen"]), ("announce", s["announce"]),
@@ -117,6 +124,24 @@ def _peers_text(peers: list[dict[str, Any]]) -> str:
         seen = "now" if p["self"] else f"{p['last_seen_s_ago']:.1f}s ago"
         state = "self" if p["self"] else ("alive" if p["alive"] else "dead")
         lines.append(f"{p['peer_id'][:16]:<18} {p['address']:<24} {seen:>10}  {state}")
+    return "\n".join(lines)
+
+
+def _jobs_text(jobs: list[dict[str, Any]]) -> str:
+    if not jobs:
+        return "no jobs known"
+    return "\n".join(f"{j['job'][:16]}  {j['name']:<20} {j['state']:<9} step {j['step']}  "
+                     f"{j['stages']} stages" for j in jobs)
+
+
+def _job_text(job: dict[str, Any]) -> str:
+    loss = "-" if job["loss"] is None else f"{job['loss']:.4f}"
+    lines = [f"job        {job['job']} ({job['name']})", f"status     {job['status']}",
+             f"step       {job['step']} / {job['steps']}, loss {loss}, {job['samples_per_s']:.1f} samples/s"]
+    for stage in job["stages"]:
+        peers = ", ".join(f"{p['address']} (step {p['step']}, {p['samples_per_s']:.1f}/s, queue {p['queue']})"
+                          for p in stage["peers"]) or "no peers"
+        lines.append(f"stage {stage['stage']:<4} {peers}")
     return "\n".join(lines)
 
 
@@ -166,8 +191,18 @@ def _read_spec(path: Path) -> dict[str, Any]:
 async def _follow_logs(args: argparse.Namespace) -> None:
     async with Client(args.socket, timeout=args.timeout) as client:
         async for event in client.logs(args.job, follow=args.follow):
-            _emit(args, event, lambda e: json.dumps(_jsonable(e), sort_keys=True))
+            # One line per event either way: `--json` gives JSON Lines, so a follower can parse
+            # each event as it arrives.
+            line = json.dumps(_jsonable(event), sort_keys=True) if args.json else _event_text(event)
+            sys.stdout.write(line + "\n")
             sys.stdout.flush()
+
+
+def _event_text(event: dict[str, Any]) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(event["ts"]))
+    loss = "" if event.get("loss") is None else f" loss {event['loss']:.4f}"
+    rate = "" if event.get("tokens_per_s") is None else f" {event['tokens_per_s']:.0f} tokens/s"
+    return f"{when} {event['kind']:<7} step {event['step']}{loss}{rate}  {event['message']}".rstrip()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,21 +222,22 @@ def run_command(args: argparse.Namespace) -> None:
         reply = client.drain()
         _emit(args, reply, lambda r: f"draining: the daemon stops within {r['drain_timeout_s']:g} s")
     elif cmd == "submit":
-        reply = client.submit(_read_spec(args.spec), [str(Path(d).resolve()) for d in args.data])
-        _emit(args, reply, lambda r: f"submitted job {r['job']}")
+        reply = client.submit(_read_spec(args.spec), [str(Path(d).resolve()) for d in args.data],
+                              base=str(args.spec.resolve().parent), trainers=args.trainers)
+        _emit(args, reply, lambda r: f"submitted job {r['job']} ({r['name']}, {r['stages']} stages)")
         if args.follow:
             args.job = reply["job"]
             asyncio.run(_follow_logs(args))
     elif cmd == "jobs":
-        _emit(args, client.jobs(), lambda jobs: "\n".join(str(j) for j in jobs))
+        _emit(args, client.jobs(), _jobs_text)
     elif cmd == "job":
-        _emit(args, client.job(args.job), str)
+        _emit(args, client.job(args.job), _job_text)
     elif cmd == "logs":
         asyncio.run(_follow_logs(args))
     elif cmd == "cancel":
         _emit(args, client.cancel(args.job), str)
     elif cmd == "train":
-        _emit(args, client.train(args.job, [str(Path(d).resolve()) for d in args.data]), str)
+        _emit(args, client.train(args.job, [str(Path(d).resolve()) for d in args.data], args.shard, args.shards), str)
     elif cmd == "serve":
         _emit(args, client.serve(args.job, args.stage), str)
 
@@ -212,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # about the same event would only repeat it on stderr.
     logging.getLogger("transport").setLevel(logging.CRITICAL)
     try:
+        if args.command == "plot":
+            return plot_command(args)
         run_command(args)
     except ControlError as exc:
         _error(args, exc.code, exc.message)

@@ -24,6 +24,11 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from swarmd import config as configuration
 from swarmd import control, liveness, logs, metrics, notify
+from swarmd.jobs import JobRegistry
+from swarmd.jobs.directory import DHTStageDirectory
+from swarmd.jobs.serving import Serving
+from swarmd.jobs.training import Training
+from swarmd.stage.limits import StageLimits
 from swarmd.cli import package_version
 from swarmd.config import Address, Config
 from swarmd.dht import DHTError, DHTNode, Record
@@ -122,6 +127,9 @@ class Daemon:
         self.control_socket: Path | None = None
         self.metrics_address: Address | None = None
         self.dht: DHTNode | None = None
+        self.job_registry: JobRegistry | None = None
+        self.serving: Serving | None = None
+        self.training: Training | None = None
         self.pool: Pool | None = None
         self.router: metrics.InstrumentedRouter | None = None  # the peer-facing methods (DHT, later stages)
         self.book = liveness.PeerBook(config.peers.liveness_window_s, config.peers.max_peers_reported)
@@ -187,6 +195,17 @@ class Daemon:
         closers.append(("DHT node", self.dht.stop))
         self.metrics.dht_contacts.set_function(lambda: len(self.dht.contacts()))
         self.metrics.dht_stored_keys.set_function(lambda: len(self.dht.storage.keys()))
+        # Jobs publish through the DHT, so their announcements are withdrawn before the node stops.
+        self.job_registry = JobRegistry(self.dht, self.identity)
+        closers.append(("job announcements", self.job_registry.withdraw))
+        directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s)
+        self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,
+                               address=str(self.announce), device=self.device, state_dir=cfg.daemon.state_dir,
+                               limits=StageLimits(torch_threads=cfg.jobs.torch_threads),
+                               max_stages=cfg.jobs.max_stages)
+        closers.append(("served stages", self.serving.close))
+        self.training = Training(self.pool, directory)
+        closers.append(("trainers", self.training.close))
         self.metrics.peers_alive.set_function(lambda: self.book.count_alive(time.monotonic()))
 
         # 3. control API
@@ -430,7 +449,7 @@ class Daemon:
                           "state": self.bootstrap_state},
             "peers": {"known": len(self.peers()) - 1, "alive": self.book.count_alive(now)},
             "dht": {"contacts": len(self.dht.contacts()) if self.dht else 0},
-            "serving": {"stages": []},
+            "serving": {"stages": self.serving.stages() if self.serving else []},
             "draining": self.draining,
         }
 
@@ -454,6 +473,11 @@ class Daemon:
             {"subkey": r.subkey, "value": r.value, "expires_in_s": round(r.expiration - wall, 3)}
             for r in sorted(records.values(), key=lambda r: r.subkey)
         ]}
+
+    @property
+    def jobs(self) -> JobRegistry:
+        assert self.job_registry is not None
+        return self.job_registry
 
     def request_drain(self, reason: str) -> dict[str, Any]:
         assert self._stop is not None

@@ -47,6 +47,28 @@ class RpcConfig:
     max_undelivered_bytes: int = 256 * MiB
     # Seconds a closing connection waits for queued frames to leave before it aborts.
     close_timeout_s: float = 2.0
+    # Server side: connections still in their hello (not yet welcomed) from one source host. An
+    # honest host dials us once per pool plus a few parallel DHT dials; 16 leaves room for NAT'd
+    # neighbours while one host cannot hold more than 16 of our slots for handshake_timeout_s.
+    max_unproven_per_source: int = 16
+    # Server side: connections in their hello from all sources together. Each costs a Connection,
+    # a timer and at most one ~32 KiB hello frame, so 256 bound it to ~10 MiB and 256 descriptors.
+    # Past either limit a new connection is closed at once, before anything is read from it.
+    max_unproven_connections: int = 256
+    # Server side: calls per second each peer (its peer id; its source host when anonymous) may
+    # start, refilled continuously up to rate_limit_burst; past it calls are answered with code
+    # "rate_limited" and no handler runs. None turns it off (the transport's default: the daemon
+    # sets it, a library user or benchmark may not want it).
+    rate_limit_per_s: float | None = None
+    # Calls a peer may start at once after a quiet spell (a pipeline step's burst of microbatches).
+    rate_limit_burst: int = 256
+    # Peers whose buckets are remembered; the least recently seen is forgotten past it, so a peer
+    # inventing identities costs us at most this many small entries.
+    rate_limit_peers: int = 4096
+    # Seal every frame after the hello with ChaCha20-Poly1305 under keys from an X25519 exchange in
+    # the hello. Both ends must agree (a mismatch fails the hello). Off by default: on a trusted
+    # network TLS-grade secrecy costs CPU (see bench/transport.py "encryption") for nothing.
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "heartbeat_interval_s", "default_timeout_s",
@@ -56,8 +78,12 @@ class RpcConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("RpcConfig.heartbeat_timeout_s must exceed heartbeat_interval_s, or every "
                              "quiet peer would be dropped between two pings")
-        for name in ("max_concurrent_handlers", "max_pending_calls", "write_buffer_bytes", "max_undelivered_bytes"):
+        for name in ("max_concurrent_handlers", "max_pending_calls", "write_buffer_bytes", "max_undelivered_bytes",
+                     "max_unproven_per_source", "max_unproven_connections", "rate_limit_burst",
+                     "rate_limit_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RpcConfig.{name} must be at least 1, got {getattr(self, name)!r}")
+        if self.rate_limit_per_s is not None and not self.rate_limit_per_s > 0:
+            raise ValueError(f"RpcConfig.rate_limit_per_s must be positive or None, got {self.rate_limit_per_s!r}")
         if self.swarm_key is not None and len(self.swarm_key) < 16:
             raise ValueError("RpcConfig.swarm_key must be at least 16 bytes of secret")

@@ -35,12 +35,15 @@ from .errors import (
     RemoteError,
     RpcError,
 )
+from .gate import HelloGate, source_of
 from .handshake import MAX_HELLO_BYTES, Handshake
-from .limits import PRELUDE_BYTES, KiB, Limits
+from .limits import LENGTH_ENTRY_BYTES, PRELUDE_BYTES, KiB, Limits
 from .message import Message, RemoteInfo, Request, Router
 from .outbox import Budget, Outbox, payload_bytes
+from .ratelimit import RateLimiter
+from .seal import Opener, Sealer
 from .tasks import TaskSet
-from .wire import ID, VERSION, Frame, FrameDecoder, Kind, Piece, encode_frame, encode_message
+from .wire import ID, PRELUDE, VERSION, Frame, FrameDecoder, Kind, Piece, encode_frame, encode_message
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +88,7 @@ CODE_OVERLOADED = "overloaded"
 CODE_GOING_AWAY = "going_away"
 CODE_CANCELLED = "cancelled"
 CODE_BAD_REPLY = "bad_reply"
+CODE_RATE_LIMITED = "rate_limited"
 
 
 class _Call:
@@ -135,8 +139,14 @@ class Connection(asyncio.Protocol):
         router: Router | None = None,
         admit: Admit | None = None,
         on_closed: Callable[["Connection"], None] | None = None,
+        gate: HelloGate | None = None,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self._config = config
+        self._gate = gate
+        self._gate_source: str | None = None  # set while we hold a slot of the gate
+        self._limiter = limiter
+        self._rate_key: object = None
         self._initiator = initiator
         self._router = router
         self._admit = admit
@@ -151,7 +161,14 @@ class Connection(asyncio.Protocol):
             swarm_key=config.swarm_key,
             limits=config.limits.as_dict(),
             app=config.app,
+            encrypt=config.encrypt,
         )
+        self._keys: tuple[bytes, bytes] | None = None  # (send, receive) once an encrypted hello is proven
+        self._opener: Opener | None = None  # set from the welcome on when encrypting
+        # How we write a frame: the transport's writelines, or a Sealer's once the hello is done.
+        self._writelines: Callable[[list[Piece]], None] = lambda frame: None
+        self._hello_left = 0  # encrypting, in the hello: bytes left of the hello frame being read
+        self._hello_prelude = bytearray()
         self._hello_received = False
         self._ready: asyncio.Future[RemoteInfo] = self._loop.create_future()
         self._closed: asyncio.Future[None] = self._loop.create_future()
@@ -227,7 +244,17 @@ class Connection(asyncio.Protocol):
         elif sock is not None:
             self._peercred = sockopts.peercred(sock)
         self._address = transport.get_extra_info("peername")
+        if self._gate is not None:
+            source = source_of(self._address)
+            reason = self._gate.enter(source)
+            if reason is not None:
+                log.info("dropping connection from %s at once: %s", self._address, reason)
+                self._shutdown(HandshakeError(f"too many unproven connections: {reason}"))
+                transport.abort()
+                return
+            self._gate_source = source
         transport.set_write_buffer_limits(high=self._config.write_buffer_bytes)
+        self._writelines = transport.writelines
         self._handshake_timer = self._loop.call_later(
             self._config.handshake_timeout_s,
             lambda: self._refuse(HandshakeError(f"no hello within {self._config.handshake_timeout_s} s")),
@@ -238,14 +265,12 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._last_rx = self._loop.time()
         try:
-            self._decoder.feed(data)
-            while (frame := self._decoder.next_frame()) is not None:
-                if self._error is not None:
-                    return
-                if self._ready.done():
-                    self._dispatch(frame)
-                else:
-                    self._on_handshake_frame(frame)
+            if self._opener is not None:
+                self._feed(self._opener.open(data))
+            elif self._config.encrypt:
+                self._feed_hello(data)
+            else:
+                self._feed(data)
         except HandshakeError as exc:
             log.info("hello with %s failed: %s", self._address, exc)
             self._refuse(exc)
@@ -255,6 +280,38 @@ class Connection(asyncio.Protocol):
         except Exception as exc:  # a bug of ours: drop this connection rather than leave it wedged
             log.exception("closing connection from %s after an internal error", self._address)
             self.abort(ConnectionLost(f"internal error: {type(exc).__name__}: {exc}"))
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        self._decoder.feed(data)
+        while (frame := self._decoder.next_frame()) is not None:
+            if self._error is not None:
+                return
+            if self._ready.done():
+                self._dispatch(frame)
+            else:
+                self._on_handshake_frame(frame)
+
+    def _feed_hello(self, data: bytes) -> None:
+        """Encrypting: hand the hello decoder one hello frame at a time, so that the bytes after
+        the last one (sealed records the peer sent right after its welcome) reach the Opener
+        instead of being parsed as plain frames. A hello frame has no payload, so its prelude
+        says where it ends; the decoder still checks that prelude before we wait for more."""
+        view = memoryview(data)
+        while view and self._opener is None and self._error is None:
+            if self._hello_left == 0:
+                piece = view[: PRELUDE_BYTES - len(self._hello_prelude)]
+                self._hello_prelude += piece
+                if len(self._hello_prelude) == PRELUDE_BYTES:
+                    *_, header_len, count = PRELUDE.unpack(self._hello_prelude)
+                    self._hello_left = header_len + LENGTH_ENTRY_BYTES * count
+                    self._hello_prelude.clear()
+            else:
+                piece = view[: self._hello_left]
+                self._hello_left -= len(piece)
+            view = view[len(piece):]
+            self._feed(piece)
+        if view and self._opener is not None:
+            self._feed(self._opener.open(view))
 
     def eof_received(self) -> bool:
         self.abort(ConnectionLost("the peer closed the connection"))
@@ -299,6 +356,8 @@ class Connection(asyncio.Protocol):
         if not isinstance(raw, bytes):
             raise HandshakeError("proof body is not bytes")
         peer = self._handshake.receive_proof(raw)
+        if peer.send_key is not None and peer.recv_key is not None:
+            self._keys = (peer.send_key, peer.recv_key)
         try:
             theirs = Limits.from_dict(peer.hello.limits)
         except MalformedFrame as exc:
@@ -329,12 +388,21 @@ class Connection(asyncio.Protocol):
     def _become_ready(self) -> None:
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
+        self._leave_gate()
         # Nobody sends anything but hellos before the welcome, so the strict decoder holds nothing
         # more from an honest peer; a frame still waiting in it was sent out of turn.
         if self._decoder.next_frame() is not None:
             raise HandshakeError("peer sent frames before the hello finished")
         self._decoder = FrameDecoder(self._config.limits)
+        if self._keys is not None:
+            # Every hello frame was written at once (the outbox is empty during the hello, as its few
+            # KiB never fill the write buffer), so from here on each frame is sealed, in order.
+            send_key, recv_key = self._keys
+            assert self._transport is not None and not self._outbox
+            self._writelines = Sealer(send_key, self._transport.writelines).writelines
+            self._opener = Opener(recv_key, self._config.limits.max_frame_bytes)
         assert self.remote is not None
+        self._rate_key = self.remote.peer_id or ("source", source_of(self._address))
         self._ready.set_result(self.remote)
         self._tasks.spawn(self._heartbeat(), "heartbeat")
 
@@ -387,6 +455,8 @@ class Connection(asyncio.Protocol):
             raise MalformedFrame(f"request timeout {timeout!r} is not a finite number of seconds")
         if self._going_away:
             self._send_error(rid, CODE_GOING_AWAY, "the server is shutting down")
+        elif self._limiter is not None and not self._limiter.allow(self._rate_key):
+            self._send_error(rid, CODE_RATE_LIMITED, f"over {self._config.rate_limit_per_s} calls/s")
         elif len(self._handlers) >= self._config.max_concurrent_handlers:
             self._send_error(rid, CODE_OVERLOADED, f"{len(self._handlers)} calls already running")
         else:
@@ -593,17 +663,15 @@ class Connection(asyncio.Protocol):
         costs no wake-up of the writer task (half the latency of a ping-pong on loopback)."""
         if self._outbox or not self._writable.is_set() or self._transport is None or self._error is not None:
             return False
-        self._transport.writelines(frame)
+        self._writelines(frame)
         self._last_tx = self._loop.time()
         return True
 
     async def _write_loop(self) -> None:
-        transport = self._transport
-        assert transport is not None
         while True:
             await self._writable.wait()
             item = await self._outbox.get()
-            transport.writelines(item.frame)
+            self._writelines(item.frame)
             self._last_tx = self._loop.time()
             if item.payload:
                 self._budget.release(item.payload)
@@ -682,6 +750,7 @@ class Connection(asyncio.Protocol):
         self._error = error
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
+        self._leave_gate()
         if not self._ready.done():
             self._ready.set_exception(error)
             self._ready.exception()  # retrieved here: the opener may already have given up
@@ -694,6 +763,12 @@ class Connection(asyncio.Protocol):
         self._tasks.cancel_all("connection closed")
         if self._on_closed is not None:
             self._on_closed(self)
+
+
+    def _leave_gate(self) -> None:
+        if self._gate is not None and self._gate_source is not None:
+            self._gate.leave(self._gate_source)
+            self._gate_source = None
 
 
 class StreamCall:

@@ -48,6 +48,11 @@ class HandshakeError(ProtocolError):
     """The hello exchange failed: bad signature, wrong swarm key, timeout or wrong order."""
 
 
+class SealError(ProtocolError):
+    """An encrypted record failed authentication or came out of order: altered, replayed, dropped
+    or reordered on the way (or sent under other keys)."""
+
+
 class ConnectionLost(TransportError):
     """The connection closed (or was reset) while a call was outstanding."""
 

@@ -7,6 +7,13 @@ Both sides send two messages at once, so the exchange costs one round trip whoev
 2. PROOF, sent once the peer's HELLO is in: an Ed25519 signature and/or an HMAC-SHA256 with the swarm
    key, both over the transcript.
 
+With encryption on, each HELLO also carries a fresh ephemeral X25519 public key. As it is part of
+the hello bytes, the transcript (and so the signature and the swarm-key MAC) covers it, so nobody
+in the middle can swap it for their own. Each side derives two keys, one per direction, with HKDF
+over the X25519 shared secret salted with the transcript; they seal everything after the hello
+(transport.seal). Fresh ephemeral keys per connection mean a stolen identity key does not open
+recorded traffic.
+
 The transcript is a context string plus SHA-256 of each side's HELLO bytes exactly as sent, in
 initiator-then-responder order. It therefore binds both nonces (fresh each time: no replay), both
 public keys (so the signature proves the peer holds the key whose hash is its peer id) and both apps
@@ -26,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import HandshakeError
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
@@ -39,6 +49,12 @@ MAX_HELLO_BYTES = 16 * 1024
 # The app dict and limits summary are flat, small maps; these bound msgpack's allocations.
 MAX_HELLO_ITEMS = 64
 MAX_HELLO_STR = 1024
+
+KX_BYTES = 32
+"""An X25519 public key."""
+SEAL_CONTEXT = b"swarmd seal keys v1"
+"""HKDF info for the two per-direction record keys (transport.seal)."""
+SEAL_KEY_BYTES = 32
 
 ROLE_INITIATOR = b"initiator"
 ROLE_RESPONDER = b"responder"
@@ -54,6 +70,8 @@ class Hello:
     uses_swarm_key: bool
     limits: dict[str, int] = field(default_factory=dict)
     app: dict[str, Any] = field(default_factory=dict)
+    encrypt: bool = False
+    kx: bytes | None = None  # ephemeral X25519 public key, present exactly when `encrypt`
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -64,6 +82,8 @@ class Hello:
                 "swarm": self.uses_swarm_key,
                 "limits": self.limits,
                 "app": self.app,
+                "enc": self.encrypt,
+                "kx": self.kx,
             },
             use_bin_type=True,
         )
@@ -90,7 +110,12 @@ class Hello:
             raise HandshakeError("hello limits must map names to integers")
         if not isinstance(app, dict) or not all(isinstance(k, str) for k in app):
             raise HandshakeError("hello app must be a map with string keys")
-        return cls(version, nonce, pk, swarm, limits, app)
+        encrypt, kx = body.get("enc", False), body.get("kx")
+        if not isinstance(encrypt, bool):
+            raise HandshakeError("hello encryption flag is not a bool")
+        if encrypt != (isinstance(kx, bytes) and len(kx) == KX_BYTES) or (not encrypt and kx is not None):
+            raise HandshakeError(f"hello must carry a {KX_BYTES}-byte key exchange exactly when it encrypts")
+        return cls(version, nonce, pk, swarm, limits, app, encrypt, kx)
 
 
 @dataclass(frozen=True)
@@ -99,6 +124,9 @@ class PeerHello:
 
     hello: Hello
     peer_id: bytes | None
+    # Record keys for transport.seal when the connection is encrypted: ours to send, theirs to open.
+    send_key: bytes | None = None
+    recv_key: bytes | None = None
 
     @property
     def public_key(self) -> bytes | None:
@@ -122,11 +150,13 @@ class Handshake:
         swarm_key: bytes | None,
         limits: dict[str, int],
         app: dict[str, Any],
+        encrypt: bool = False,
         random_bytes: Callable[[int], bytes] = os.urandom,
     ) -> None:
         self._initiator = initiator
         self._identity = identity
         self._swarm_key = swarm_key
+        self._kx = X25519PrivateKey.generate() if encrypt else None
         self._ours = Hello(
             version=version,
             nonce=random_bytes(NONCE_BYTES),
@@ -134,12 +164,17 @@ class Handshake:
             uses_swarm_key=swarm_key is not None,
             limits=dict(limits),
             app=dict(app),
+            encrypt=encrypt,
+            kx=None if self._kx is None else self._kx.public_key().public_bytes(
+                serialization.Encoding.Raw, serialization.PublicFormat.Raw
+            ),
         )
         self._our_raw = self._ours.encode()
         if len(self._our_raw) > MAX_HELLO_BYTES:
             raise ValueError(f"our hello is {len(self._our_raw)} bytes, over {MAX_HELLO_BYTES}: shrink `app`")
         self._theirs: Hello | None = None
         self._transcript: bytes | None = None
+        self._keys: tuple[bytes, bytes] | None = None  # (send, receive)
 
     def hello_bytes(self) -> bytes:
         return self._our_raw
@@ -153,11 +188,19 @@ class Handshake:
             raise HandshakeError(f"peer speaks wire version {theirs.version}, we speak {self._ours.version}")
         if theirs.uses_swarm_key != self._ours.uses_swarm_key:
             raise HandshakeError("one side uses a swarm key and the other does not")
+        if theirs.encrypt != self._ours.encrypt:
+            raise HandshakeError(
+                f"we {'require' if self._ours.encrypt else 'refuse'} encryption and the peer "
+                f"{'does not' if self._ours.encrypt else 'requires it'}: both sides must set the same RpcConfig.encrypt"
+            )
         if theirs.nonce == self._ours.nonce:
             raise HandshakeError("peer echoed our nonce")
         self._theirs = theirs
         first, second = (self._our_raw, raw) if self._initiator else (raw, self._our_raw)
         self._transcript = CONTEXT + hashlib.sha256(first).digest() + hashlib.sha256(second).digest()
+        if self._kx is not None:
+            assert theirs.kx is not None
+            self._keys = self._derive_keys(theirs.kx)
         our_role = ROLE_INITIATOR if self._initiator else ROLE_RESPONDER
         proof = {
             "sig": self._identity.sign(our_role + self._transcript) if self._identity is not None else None,
@@ -183,7 +226,23 @@ class Handshake:
         if self._swarm_key is not None:
             if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._mac(their_role)):
                 raise HandshakeError("peer does not know the swarm key")
-        return PeerHello(self._theirs, peer_id)
+        send_key, recv_key = self._keys if self._keys is not None else (None, None)
+        return PeerHello(self._theirs, peer_id, send_key, recv_key)
+
+    def _derive_keys(self, their_kx: bytes) -> tuple[bytes, bytes]:
+        assert self._kx is not None and self._transcript is not None
+        try:
+            shared = self._kx.exchange(X25519PublicKey.from_public_bytes(their_kx))
+        except ValueError:  # a low-order point: the shared secret would be all zeros
+            raise HandshakeError("peer's key exchange is a degenerate X25519 point") from None
+        okm = HKDF(
+            algorithm=hashes.SHA256(),
+            length=2 * SEAL_KEY_BYTES,
+            salt=hashlib.sha256(self._transcript).digest(),
+            info=SEAL_CONTEXT,
+        ).derive(shared)
+        to_responder, to_initiator = okm[:SEAL_KEY_BYTES], okm[SEAL_KEY_BYTES:]
+        return (to_responder, to_initiator) if self._initiator else (to_initiator, to_responder)
 
     def _mac(self, role: bytes) -> bytes:
         assert self._swarm_key is not None and self._transcript is not None

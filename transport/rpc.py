@@ -2,7 +2,8 @@
 
 Implementation lives in small modules: `message` (value types and Router), `config`, `handshake`
 (sans-IO hello), `connection` (the asyncio shell around `wire`), `outbox` (fair writer queue and
-byte budget), `server`, `pool`, `sockopts`. Use `new_event_loop` (or `run`) to get uvloop when it
+byte budget), `server`, `pool`, `sockopts`, `gate` (unproven-connection quotas), `ratelimit`
+(per-peer call buckets), `seal` (encrypted records). Use `new_event_loop` (or `run`) to get uvloop when it
 is installed and plain asyncio otherwise.
 """
 
@@ -20,6 +21,7 @@ from .connection import (
     CODE_GOING_AWAY,
     CODE_INTERNAL,
     CODE_OVERLOADED,
+    CODE_RATE_LIMITED,
     CODE_UNKNOWN_METHOD,
     Admit,
     Connection,
@@ -57,6 +59,7 @@ __all__ = [
     "CODE_GOING_AWAY",
     "CODE_INTERNAL",
     "CODE_OVERLOADED",
+    "CODE_RATE_LIMITED",
     "CODE_UNKNOWN_METHOD",
     "Connection",
     "DEFAULT_CODEC",

@@ -16,7 +16,9 @@ from typing import Any
 
 from .config import RpcConfig
 from .connection import Admit, Connection
+from .gate import HelloGate
 from .message import Router
+from .ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,18 @@ class RpcServer:
         self._connections: set[Connection] = set()
         self._unix_path: str | None = None
         self.address: Any = None
+        # Shared by all connections: a peer's quota does not reset when it reconnects.
+        self._gate = HelloGate(config.max_unproven_per_source, config.max_unproven_connections)
+        self._limiter = (
+            None
+            if config.rate_limit_per_s is None
+            else RateLimiter(
+                config.rate_limit_per_s,
+                config.rate_limit_burst,
+                config.rate_limit_peers,
+                asyncio.get_running_loop().time,
+            )
+        )
 
     @classmethod
     async def serve_tcp(
@@ -77,6 +91,11 @@ class RpcServer:
     def connections(self) -> int:
         return len(self._connections)
 
+    @property
+    def unproven_connections(self) -> int:
+        """Connections still in their hello (what `max_unproven_connections` bounds)."""
+        return self._gate.pending
+
     def _make_connection(self) -> Connection:
         conn = Connection(
             self._config,
@@ -84,6 +103,8 @@ class RpcServer:
             router=self._router,
             admit=self._admit,
             on_closed=self._connections.discard,
+            gate=self._gate,
+            limiter=self._limiter,
         )
         self._connections.add(conn)
         return conn

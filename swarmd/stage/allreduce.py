@@ -53,6 +53,7 @@ class RoundBox:
     contributions: dict[int, Contribution] = field(default_factory=dict)
     full: torch.Tensor = field(init=False)  # the reduced vector being gathered
     gathered: dict[int, int] = field(init=False)  # shard owner -> elements received
+    outliers: set[int] = field(default_factory=set)  # members some shard's reducer reported
     failure: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=lambda: asyncio.get_running_loop().time())
@@ -70,7 +71,10 @@ class RoundBox:
         if contribution is not None:
             self.contributions[src] = contribution
 
-    def put_gather(self, src: int, offset: int, part: torch.Tensor) -> None:
+    def put_gather(self, src: int, offset: int, part: torch.Tensor, outliers: list[int] | tuple[int, ...] = ()) -> None:
+        if any(o not in range(len(self.members)) for o in outliers):
+            raise bad_input(f"outliers reported by member {src} are not members of the round")
+        self.outliers.update(outliers)
         lo, hi = self.bounds[src]
         self._place(self.full[lo:hi], self.gathered, src, offset, part)
 

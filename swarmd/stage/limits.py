@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from swarmd.stage.robust import AGGREGATES
 from transport.codecs import CODECS
 
 MiB = 1024 * 1024
@@ -51,6 +52,19 @@ class StageLimits:
     allreduce_chunk_bytes: int = 4 * MiB
     # Codec of gradient parts between stage-mates; "none" keeps peers bit-identical to the reference.
     allreduce_codec: str = "none"
+    # How the reducer of each shard combines its mates' parts: "mean" (exact: every peer steps on
+    # the plain sum, what the equivalence tests rely on) or "centered_clip" (robust: a mate's pull
+    # is bounded, see swarmd/stage/robust.py for the formula).
+    aggregate: str = "mean"
+    # centered_clip: bound τ on the distance of a peer's per-sample gradient from the aggregate
+    # (whole-stage norm). Honest peers' per-sample gradients differ by about the gradient norm
+    # itself, so τ should sit a few times above the clip_norm the job trains with.
+    clip_tau: float = 10.0
+    # centered_clip: iterations; each moves the aggregate at most τ, and one without clipping
+    # lands on the exact mean.
+    clip_iterations: int = 3
+    # centered_clip: a peer further than this many τ from the aggregate is reported an outlier.
+    outlier_factor: float = 2.0
     # Rounds a peer buffers parts for at once (its own plus one a mate started first).
     max_open_rounds: int = 2
     # Largest payload of one `stage.state` message (parameters and optimizer state for joiners).
@@ -67,7 +81,10 @@ class StageLimits:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "allreduce_codec":
+            if field.name == "aggregate":
+                if value not in AGGREGATES:
+                    raise ValueError(f"StageLimits.aggregate must be one of {AGGREGATES}, got {value!r}")
+            elif field.name == "allreduce_codec":
                 if value not in CODECS:
                     raise ValueError(f"StageLimits.allreduce_codec must be one of {CODECS}, got {value!r}")
             elif field.name == "torch_threads":

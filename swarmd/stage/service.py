@@ -57,6 +57,9 @@ class StepRecord:
     lr: float
     grad_norm: float
     clipped: bool
+    # Hex peer ids whose gradient the robust aggregate (StageLimits.aggregate) clipped past
+    # outlier_factor·τ or left out as non-finite; always empty with the exact mean.
+    outliers: tuple[str, ...] = ()
 
 
 class StageService:
@@ -385,7 +388,8 @@ class StageService:
                  for p, g in zip(self.params, grads)]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    async def commit(self, step: int, flat: torch.Tensor, members: int, samples: int, cross_duplicates: int) -> None:
+    async def commit(self, step: int, flat: torch.Tensor, members: int, samples: int, cross_duplicates: int,
+                     outliers: tuple[str, ...] = ()) -> None:
         """Take the optimizer step on the all-reduced gradient sum (every member does the same)."""
         def step_now():
             with self.guard.write():
@@ -407,7 +411,7 @@ class StageService:
 
         report, local_duplicates, snapshot = await asyncio.shield(self.in_aux(step_now))
         record = StepRecord(step, members, samples, cross_duplicates + local_duplicates, report.lr,
-                            report.grad_norm, report.clipped)
+                            report.grad_norm, report.clipped, outliers)
         self.records.append(record)
         if record.duplicates:
             log.info("stage %d step %d: %d duplicated microbatches", self.stage_index, step, record.duplicates)

@@ -23,6 +23,7 @@ import torch
 
 from swarmd.stage.allreduce import Contribution, Mailbox
 from swarmd.stage.errors import RoundFailed, bad_input, busy
+from swarmd.stage.robust import CENTERED_CLIP, centered_clip
 from transport.codecs import decode_tensor, encode_tensor
 from transport.errors import DeadlineExceeded, RpcError, TransportError
 from transport.rpc import Message, Request
@@ -205,16 +206,20 @@ class StageSync:
                 await self._send(round_id, step, members, "stage.sync.reduce",
                                  lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head)
                 await box.wait(box.reduced_ready)
-                reduced = await self.s.in_aux(_sum_in_order, box, self.s.limits.allreduce_codec)
+                reduced, outliers = await self.s.in_aux(_reduce_shard, box, self.s.limits, self.s.numel)
                 union = frozenset().union(*(c.ids for c in box.contributions.values()))
                 if union != frozenset(self.s.step_ids(step)):
                     raise RoundFailed(f"the round covers {len(union)} of {self.s.microbatches} microbatches")
-                box.put_gather(me, 0, reduced)
-                await self._send(round_id, step, members, "stage.sync.gather", lambda j: reduced, {})
+                box.put_gather(me, 0, reduced, outliers)
+                await self._send(round_id, step, members, "stage.sync.gather", lambda j: reduced,
+                                 {"outliers": outliers})
                 await box.wait(box.gathered_ready)
             cross = sum(len(c.ids) for c in box.contributions.values()) - len(union)
             samples = sum(c.samples for c in box.contributions.values())
-            await self.s.commit(step, box.full, len(members), samples, cross)
+            flagged = tuple(sorted(ids[i].hex() for i in box.outliers))
+            if flagged:
+                log.warning("stage %d step %d: outlier gradients from %s", self.s.stage_index, step, flagged)
+            await self.s.commit(step, box.full, len(members), samples, cross, flagged)
             committed = True
         except (RoundFailed, TransportError, RpcError, TimeoutError) as exc:
             self.last_failure = f"step {step}: {type(exc).__name__}: {exc}"
@@ -270,7 +275,10 @@ class StageSync:
             raise busy(f"part for step {step}, this peer is at step {self.s.committed}")
         box = self.mailbox.box(round_id, step, members, self.s.peer_id, self.s.numel)
         if gather:
-            box.put_gather(src, offset, req.tensors[0])
+            outliers = meta.get("outliers", []) if offset == 0 else []
+            if not (isinstance(outliers, list) and all(type(i) is int for i in outliers)):
+                raise bad_input("outliers must be a list of member indices")
+            box.put_gather(src, offset, req.tensors[0], outliers)
         else:
             contribution = None
             if offset == 0:
@@ -288,14 +296,23 @@ class StageSync:
         return Message({}, codec="none")
 
 
-def _sum_in_order(box, codec: str) -> torch.Tensor:
-    """Member order, the same on every peer: the reduced shard is then one well-defined value.
-    With a lossy codec the owner keeps the value its mates will decode, not its exact sum, so
-    every member steps on bit-identical gradients."""
-    total = box.parts[0].clone()
-    for src in range(1, len(box.members)):
-        total += box.parts[src]
+def _reduce_shard(box, limits, numel: int) -> tuple[torch.Tensor, list[int]]:
+    """This member's shard of the step's gradient sum, and the members it found outliers.
+    `mean` sums in member order, the same on every peer: the reduced shard is then one
+    well-defined value. With a lossy codec the owner keeps the value its mates will decode, not
+    its exact sum, so every member steps on bit-identical gradients."""
+    outliers: list[int] = []
+    if limits.aggregate == CENTERED_CLIP:
+        members = range(len(box.members))
+        robust = centered_clip([box.parts[i] for i in members], [box.contributions[i].samples for i in members],
+                               numel, limits.clip_tau, limits.clip_iterations, limits.outlier_factor)
+        total, outliers = robust.total, sorted(robust.outliers)
+    else:
+        total = box.parts[0].clone()
+        for src in range(1, len(box.members)):
+            total += box.parts[src]
+    codec = limits.allreduce_codec
     if codec == "none":
-        return total
+        return total, outliers
     meta, buffers = encode_tensor(total, codec)
-    return decode_tensor(meta, [bytes(b) for b in buffers])
+    return decode_tensor(meta, [bytes(b) for b in buffers]), outliers

@@ -4,11 +4,11 @@ See docs/trainer.md."""
 from swarmd.train.errors import InputRefused, StepLost, TrainerError
 from swarmd.train.events import EventSink, StatusEvent, StepEvent, TrainerEvent
 from swarmd.train.replies import StageShapes, stage_shapes
-from swarmd.train.trainer import Trainer, TrainerConfig
+from swarmd.train.trainer import BanRecord, Trainer, TrainerConfig
 from swarmd.train.wiring import Kind, Pick, StageWiring, Throughput, Wiring, WiringConfig
 
 __all__ = [
-    "EventSink", "InputRefused", "Kind", "Pick", "StageShapes", "StageWiring", "StatusEvent", "StepEvent",
+    "BanRecord", "EventSink", "InputRefused", "Kind", "Pick", "StageShapes", "StageWiring", "StatusEvent", "StepEvent",
     "StepLost", "Throughput", "Trainer", "TrainerConfig", "TrainerError", "TrainerEvent", "Wiring",
     "WiringConfig", "stage_shapes",
 ]

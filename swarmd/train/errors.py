@@ -14,3 +14,4 @@ class InputRefused(TrainerError):
 class StepLost(TrainerError):
     """A stage committed a step without an answer this trainer still needed (a timed-out call had in
     fact completed before the stage stepped), so the step's remaining work cannot be computed."""
+

@@ -74,3 +74,17 @@ def check_forward_backward(reply: Message, x: torch.Tensor, first: bool) -> str 
     if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
         return f"loss_sum is {loss!r}, not a finite number"
     return check_backward(reply, x, first)
+
+
+def disagreement(a: torch.Tensor, b: torch.Tensor, rtol: float) -> str | None:
+    """Why two stage-mates' answers to the same forward cannot both be right, or None. Relative to
+    the larger norm, so a lossy activation codec's rounding (well under `rtol`) passes while a
+    peer returning another microbatch's or random activations does not."""
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} and {tuple(b.shape)} differ"
+    a, b = a.float(), b.float()
+    scale = max(float(a.norm()), float(b.norm()))
+    gap = float((a - b).norm())
+    if gap > rtol * scale:
+        return f"answers differ by {gap / max(scale, 1e-30):.3g} relative (tolerance {rtol:g})"
+    return None

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +40,7 @@ from swarmd.train.replies import (
     check_backward,
     check_forward,
     check_forward_backward,
+    disagreement,
     stage_shapes,
 )
 from swarmd.train.wiring import Kind, Pick, Wiring, WiringConfig
@@ -84,6 +87,15 @@ class TrainerConfig:
     commit_status_after_s: float = 10.0
     # Distinct peers that may refuse one input as bad_input before the input is blamed.
     max_bad_input: int = 3
+    # Fraction of forwards recomputed on a second peer of the stage and compared (0: none; seeded
+    # from wiring.seed). A mismatch asks a third peer, and the one the other two outvote is banned.
+    verify_fraction: float = 0.0
+    # Two forward answers disagree when ||a - b|| > verify_rtol * max(||a||, ||b||). Stage-mates
+    # hold bit-identical parameters, so honest answers differ only by batching order (~1e-6) and
+    # the activation codec (fp16 ~2e-4, int8 ~6e-3 relative): keep it above the codec's error.
+    verify_rtol: float = 0.05
+    # Ban records kept for `banned_peers` (what `swarmctl job` shows), oldest dropped first.
+    ban_log_kept: int = 64
     wiring: WiringConfig = field(default_factory=WiringConfig)
 
     def __post_init__(self) -> None:
@@ -92,6 +104,10 @@ class TrainerConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.verify_fraction <= 1 or not self.verify_rtol > 0:
+            raise ValueError("TrainerConfig.verify_fraction must be in [0, 1] and verify_rtol positive")
+        if self.ban_log_kept < 1:
+            raise ValueError("TrainerConfig.ban_log_kept must be >= 1")
         if self.max_bad_input < 1 or self.resend_grace_s < 0 or self.uncovered_grace_s < 0:
             raise ValueError("TrainerConfig.max_bad_input must be >= 1, resend_grace_s and "
                              "uncovered_grace_s >= 0")
@@ -131,6 +147,17 @@ class _Counters:
     resent: int = 0
 
 
+@dataclass(frozen=True)
+class BanRecord:
+    """One ban, kept after the ban itself lifts, so an operator sees who misbehaved and how."""
+
+    stage: int
+    peer_id: str  # hex
+    addr: str
+    reason: str
+    at: float  # wall-clock time
+
+
 class Trainer:
     def __init__(self, spec: JobSpec, job_id: bytes, directory: StageDirectory, pool: Pool, data: TrainingData,
                  *, shard: int = 0, shards: int = 1, config: TrainerConfig = TrainerConfig(),
@@ -156,6 +183,8 @@ class Trainer:
         self._waiting: dict[tuple[str, int], str] = {}  # (what, stage) -> message
         self._counters = _Counters()
         self._resent_at: dict[tuple[int, int], float] = {}  # (stage, mb id) -> loop time
+        self._ban_log: deque[BanRecord] = deque(maxlen=config.ban_log_kept)
+        self._verify_rng = random.Random(f"verify {config.wiring.seed} {shard}")
 
     # ------------------------------------------------------------------ public
 
@@ -163,6 +192,11 @@ class Trainer:
     def status(self) -> str:
         """Empty while training flows; otherwise what the trainer is waiting for."""
         return "; ".join(self._waiting[key] for key in sorted(self._waiting, key=lambda k: (k[1], k[0])))
+
+    @property
+    def banned_peers(self) -> list[BanRecord]:
+        """Every ban this trainer made (newest last, up to `ban_log_kept`), with its reason."""
+        return list(self._ban_log)
 
     def my_microbatches(self) -> list[int]:
         return [m for m in range(self.spec.batch.microbatches_per_step) if m % self.shards == self.shard]
@@ -227,10 +261,7 @@ class Trainer:
         record = _Record(mb, inputs=[mb.inputs], grads=[None] * n)
         try:
             for i in range(n - 1):
-                expected = self._shapes[i].output
-                reply = await self._call(i, Kind.FORWARD, "stage.forward", step, mb, [record.inputs[i]],
-                                         self.spec.wire.activations, lambda r: check_forward(r, expected))
-                record.inputs.append(reply.tensors[0])
+                record.inputs.append(await self._forward(i, step, mb, record.inputs[i]))
             reply = await self._send_last(step, record)
             record.loss_sum = float(reply.meta["loss_sum"])
             grad = reply.tensors[0] if n > 1 else None
@@ -248,6 +279,88 @@ class Trainer:
             raise StepLost(f"microbatch {mb.id} of step {step}: {exc}; the stage stepped without the answer "
                            "this trainer needs (raise the per-call timeouts if compute is slow)") from None
         return record
+
+    async def _forward(self, stage: int, step: int, mb: Microbatch, x: torch.Tensor) -> torch.Tensor:
+        """A forward, recomputed on a second peer for a `verify_fraction` of microbatches. Only
+        forwards are verified: they are stateless, while a second backward would add the
+        microbatch's gradient twice to the stage's step."""
+        expected = self._shapes[stage].output
+        disputes = 0
+        verify = self._verify_rng.random() < self.config.verify_fraction  # a redo is verified again
+        while True:
+            reply, peer = await self._call_on(stage, Kind.FORWARD, "stage.forward", step, mb, [x],
+                                              self.spec.wire.activations, lambda r: check_forward(r, expected))
+            if not verify:
+                self._set_waiting(("dispute", stage), "")
+                return reply.tensors[0]
+            answers = [(peer, reply.tensors[0])]
+            while len(answers) < 3:
+                other = await self._second_opinion(stage, step, mb, x, expected, {p.peer_id for p, _ in answers})
+                if other is None:
+                    break
+                answers.append(other)
+                verdict = self._settle(stage, mb, answers)
+                if verdict is not None:
+                    self._set_waiting(("dispute", stage), "")
+                    return verdict
+            if len(answers) == 1:
+                self._set_waiting(("dispute", stage), "")
+                return reply.tensors[0]  # no second peer usable now: nothing to compare with
+            # Two peers disagree and no third settles it (or all three differ): distrust them all
+            # for this microbatch, say so, and redo it after a pause (a new peer may have come).
+            self._set_waiting(("dispute", stage), f"stage {stage} peers {sorted(p.addr for p, _ in answers)} "
+                                                  f"disagree on microbatch {mb.id} and no other peer settles it")
+            await asyncio.sleep(self._backoff(disputes))
+            disputes += 1
+            await self._refresh_stage(stage)
+
+    def _settle(self, stage: int, mb: Microbatch, answers: list[tuple[StagePeer, torch.Tensor]]) -> torch.Tensor | None:
+        """The answer to use once the peers asked agree, banning the one outvoted; None while unsettled."""
+        rtol = self.config.verify_rtol
+        if len(answers) == 2:
+            (_, a), (_, b) = answers
+            return a if disagreement(a, b, rtol) is None else None
+        for j, (peer, odd) in enumerate(answers):
+            rest = [t for k, (_, t) in enumerate(answers) if k != j]
+            if disagreement(rest[0], rest[1], rtol) is None:
+                why = disagreement(odd, rest[0], rtol)
+                if why is not None:
+                    self._ban(stage, peer, f"stage.forward of microbatch {mb.id} outvoted by two stage-mates: {why}")
+                return rest[0]
+        return None  # all three differ: distrust them all for this microbatch
+
+    async def _second_opinion(self, stage: int, step: int, mb: Microbatch, x: torch.Tensor, expected,
+                              asked: set[bytes]) -> tuple[StagePeer, torch.Tensor] | None:
+        """The same forward from a peer not yet asked; None when no such peer can answer now."""
+        meta = {"job": self.job_id, "stage": stage, "step": step, "mb": mb.id, "samples": len(mb.sample_indices)}
+        wiring = self.wiring[stage]
+        loop = asyncio.get_running_loop()
+        failed: set[bytes] = set()
+        while True:
+            pick = wiring.choose(len(mb.sample_indices), Kind.FORWARD, time.time(), frozenset(asked | failed))
+            if pick is None:
+                return None
+            started = loop.time()
+            try:
+                reply = await self.pool.call(pick.peer.addr, "stage.forward",
+                                             Message(meta, [x], self.spec.wire.activations),
+                                             timeout=self.config.forward_timeout_s)
+            except DeadlineExceeded:
+                wiring.timed_out(pick, loop.time() - started)
+            except RemoteError as exc:
+                if exc.code == STALE_STEP:
+                    raise _Stale(f"stage {stage} peer {pick.peer.addr}: {exc.message}") from None
+                if exc.code not in (BUSY, CODE_OVERLOADED, CODE_DEADLINE, NOT_READY, BAD_INPUT):
+                    self._ban(stage, pick.peer, str(exc))
+            except (ConnectionLost, ProtocolError, LocalProtocolError) as exc:
+                self._ban(stage, pick.peer, f"stage.forward: {exc}")
+            else:
+                problem = await asyncio.to_thread(check_forward, reply, expected)
+                if problem is None:
+                    wiring.completed(pick, loop.time() - started)
+                    return pick.peer, reply.tensors[0]
+                self._ban(stage, pick.peer, f"stage.forward returned a bad reply: {problem}")
+            failed.add(pick.peer.peer_id)
 
     def _send_last(self, step: int, record: _Record) -> Awaitable[Message]:
         x = record.inputs[-1]
@@ -413,6 +526,13 @@ class Trainer:
 
     async def _call(self, stage: int, kind: Kind, method: str, step: int, mb: Microbatch,
                     tensors: list[torch.Tensor], codec: str, check: Callable[[Message], str | None]) -> Message:
+        reply, _ = await self._call_on(stage, kind, method, step, mb, tensors, codec, check)
+        return reply
+
+    async def _call_on(self, stage: int, kind: Kind, method: str, step: int, mb: Microbatch,
+                       tensors: list[torch.Tensor], codec: str,
+                       check: Callable[[Message], str | None]) -> tuple[Message, StagePeer]:
+        """`_call`, also saying which peer answered."""
         samples = len(mb.sample_indices)
         meta = {"job": self.job_id, "stage": stage, "step": step, "mb": mb.id, "samples": samples}
         timeout = self.config.forward_timeout_s if kind is Kind.FORWARD else self.config.backward_timeout_s
@@ -442,7 +562,7 @@ class Trainer:
                 problem = await asyncio.to_thread(check, reply)
                 if problem is None:
                     wiring.completed(pick, loop.time() - started)
-                    return reply
+                    return reply, peer
                 self._ban(stage, peer, f"{method} returned a bad reply: {problem}")
             attempts.tried.add(peer.peer_id)
             self._counters.retries += 1
@@ -502,9 +622,11 @@ class Trainer:
         return min(self.config.wait_initial_s * 2 ** min(rounds, 30), self.config.wait_max_s)
 
     def _ban(self, stage: int, peer: StagePeer, reason: str) -> None:
-        if self.wiring[stage].ban(peer, time.time(), reason):
+        now = time.time()
+        if self.wiring[stage].ban(peer, now, reason):
             log.warning("banned stage %d peer %s: %s", stage, peer.addr, reason)
             self._counters.bans += 1
+            self._ban_log.append(BanRecord(stage, peer.peer_id.hex(), peer.addr, reason, now))
 
     # ------------------------------------------------------------------ directory and status
 

@@ -98,19 +98,6 @@ async def served(tmp_path: Path):
         bound.close()
 
 
-async def test_job_methods_answer_not_available(served: Path) -> None:
-    async with Client(served, timeout=10) as client:
-        for call in (client.jobs(), client.job("j"), client.cancel("j"), client.train("j", ["/d"]),
-                     client.serve("j", 1), client.submit({"name": "x"})):
-            with pytest.raises(ControlError) as info:
-                await call
-            assert info.value.code == control.NOT_AVAILABLE and "training issue" in info.value.message
-        with pytest.raises(ControlError, match="not_available"):
-            async for _ in client.logs("j", follow=True):
-                pass
-        assert await client.status() == {"ok": True}
-
-
 @pytest.mark.parametrize("key", [[], [1, "x"], ["ns", 1.5], ["ns", "x" * 300], ["ns"] * 9, "ns"])
 async def test_dht_get_refuses_malformed_keys(served: Path, key: object) -> None:
     async with Client(served, timeout=10) as client:

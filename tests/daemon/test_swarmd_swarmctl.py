@@ -18,7 +18,7 @@ from swarmd import ctl
 from swarmd.dht import dht_key
 from swarmd.dht import protocol as P
 from swarmd.dht.records import sign_record
-from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+from swarmd.exitcodes import EXIT_CONFIG, EXIT_OK, EXIT_UNAVAILABLE
 from transport.identity import Identity
 from transport.message import Message
 from transport.pool import Pool
@@ -51,19 +51,6 @@ def test_status_text_and_peers(daemon, capsys) -> None:
     status, out, err = run_ctl(capsys, "peers", "--socket", str(daemon.socket), "--json")
     (me,) = json.loads(out)
     assert me["self"] and me["alive"] and me["address"] == daemon.status["announce"]
-
-
-@pytest.mark.parametrize("args", [["submit", "SPEC"], ["jobs"], ["job", "j1"], ["logs", "j1", "--follow"],
-                                  ["cancel", "j1"], ["train", "j1", "--data", "/tmp"], ["serve", "j1", "--stage", "0"]])
-def test_job_commands_answer_not_available(daemon, capsys, tmp_path, args) -> None:
-    spec = tmp_path / "job.toml"
-    spec.write_text('name = "x"\n')
-    args = [str(spec) if a == "SPEC" else a for a in args]
-    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), *args)
-    assert status == EXIT_FAILURE and out == ""
-    assert err.startswith("swarmctl: not_available: ") and "training issue" in err
-    status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "--json", *args)
-    assert status == EXIT_FAILURE and out == "" and json.loads(err)["error"]["code"] == "not_available"
 
 
 def test_bad_spec_file_is_a_usage_error(daemon, capsys, tmp_path) -> None:

@@ -60,7 +60,9 @@ def test_huge_numel_is_refused_before_allocation():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert info.value.what == "tensor elements" and peak < 64 * 1024
+    # tracemalloc also sees other threads (executor threads of earlier tests), so the bound is set
+    # far below the announced 4 TB rather than at zero: a real allocation would blow past it.
+    assert info.value.what == "tensor elements" and peak < 32 * 1024 * 1024
 
 
 def test_too_many_dimensions_are_refused():

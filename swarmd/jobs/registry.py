@@ -1,0 +1,262 @@
+"""Jobs this daemon knows: the ones submitted here, and the ones other daemons published in the DHT.
+
+DHT layout (every record signed; the subkey is the signer's peer id, the default DHT rule):
+- `("job", job_id, "spec")`: the canonical spec (msgpack), announced by its submitter. Any daemon
+  can verify a spec it reads: `job_id` must equal `spec.job_id(record.public_key)`, so nobody can
+  publish a different spec under someone else's job id.
+- `("jobs",)`: one entry per submitter, the msgpack list of the job ids it submitted; daemons poll
+  this index to notice new jobs.
+- `("job", job_id, "stage", i)`: one entry per peer serving stage i, a msgpack map
+  `{addr, samples_per_s, queue, step, state}` (written by the stage servers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+import msgpack
+
+from swarmd.dht import dht_key
+from swarmd.jobs.access import AccessDenied, check_readable
+from swarmd.job import JobSpec, SpecError, resolve_sources
+from swarmd.job.data import Sources
+
+#: Lifecycle: waiting (some stage has no peer, or no trainer runs yet), running, then one of the
+#: three final states.
+JOB_STATES = ("waiting", "running", "done", "cancelled", "failed")
+FINAL_STATES = frozenset({"done", "cancelled", "failed"})
+#: Events held per job for `job.logs`; older ones are dropped first.
+MAX_EVENTS = 1000
+#: Jobs one submitter may list in the `jobs` index (bounds the record and what readers decode).
+MAX_JOBS_PER_SUBMITTER = 64
+#: Data paths one submission may name.
+MAX_DATA_PATHS = 256
+
+
+class JobRequestError(Exception):
+    """A job request cannot be served; `code` is the control API's typed error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class Job:
+    job_id: bytes
+    spec: JobSpec
+    submitter: bytes  # public key
+    local: bool
+    state: str = "waiting"
+    step: int = 0
+    loss: float | None = None
+    samples_per_s: float = 0.0
+    sources: Sources | None = None
+    events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_EVENTS))
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    emitted: int = 0  # events ever added; the deque holds the last MAX_EVENTS of them
+
+    def event(self, kind: str, message: str, **fields: Any) -> None:
+        self.events.append({"ts": time.time(), "kind": kind, "step": self.step, "loss": self.loss,
+                            "tokens_per_s": None, "message": message, **fields})
+        self.emitted += 1
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def summary(self) -> dict[str, Any]:
+        return {"job": self.job_id.hex(), "name": self.spec.name, "submitter": self.submitter.hex(),
+                "stages": self.spec.pipeline.stages, "step": self.step, "state": self.state}
+
+
+class JobRegistry:
+    """Submits, publishes and finds jobs; `dht` is a started `DHTNode`, `identity` signs specs."""
+
+    def __init__(self, dht: Any, identity: Any) -> None:
+        self.dht, self.identity = dht, identity
+        self.jobs: dict[bytes, Job] = {}
+        self._announcements: list[Any] = []
+        self._index = None
+
+    # ------------------------------------------------------------------ submit
+
+    def submit(self, raw_spec: Any, data: Sequence[str], base: str | None, peercred: tuple[int, int, int] | None) -> Job:
+        """Validate, check the submitter may read the data, then publish; raises `JobRequestError`."""
+        try:
+            spec = JobSpec.from_dict(raw_spec)
+        except SpecError as exc:
+            raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
+        sources = self._readable_sources(spec, data, base, peercred)
+        job_id = spec.job_id(self.identity.public_key)
+        if job_id in self.jobs:
+            return self.jobs[job_id]
+        if sum(j.local for j in self.jobs.values()) >= MAX_JOBS_PER_SUBMITTER:
+            raise JobRequestError("busy", f"this daemon already submitted {MAX_JOBS_PER_SUBMITTER} jobs "
+                                          "(MAX_JOBS_PER_SUBMITTER)")
+        job = Job(job_id, spec, self.identity.public_key, local=True, sources=sources)
+        self.jobs[job_id] = job
+        self._publish(job)
+        job.event("info", f"submitted by uid {peercred[1]}: {spec.pipeline.stages} stages, {spec.steps} steps")
+        return job
+
+    def attach_data(self, job: Job, data: Sequence[str], peercred: tuple[int, int, int] | None) -> None:
+        """Local data for one more trainer of `job` (job.train), checked like a submission's."""
+        job.sources = self._readable_sources(job.spec, data, None, peercred)
+
+    def _readable_sources(self, spec: JobSpec, data: Sequence[str], base: str | None,
+                          peercred: tuple[int, int, int] | None) -> Sources:
+        try:
+            sources = self._sources(spec, data, base)
+        except SpecError as exc:
+            raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
+        if peercred is None:
+            raise JobRequestError("forbidden", "no peer credentials: cannot tell whose data this is")
+        try:
+            check_readable([*sources.files, *([sources.tokens] if sources.tokens else [])], peercred[1], peercred[2])
+        except AccessDenied as exc:
+            raise JobRequestError("forbidden", f"data: {exc}") from None
+        except OSError as exc:
+            raise JobRequestError("bad_request", f"data: {exc}") from None
+        return sources
+
+    @staticmethod
+    def _sources(spec: JobSpec, data: Sequence[str], base: str | None) -> Sources:
+        """`data` paths (from `swarmctl submit --data`) replace the spec's own; otherwise the spec's
+        relative paths start at `base`, the spec file's directory as swarmctl resolved it."""
+        if len(data) > MAX_DATA_PATHS:
+            raise SpecError("data", f"{len(data)} paths, over MAX_DATA_PATHS ({MAX_DATA_PATHS})")
+        if data:
+            paths = [Path(p) for p in data]
+            for p in paths:
+                if not p.is_absolute() or not p.is_file():
+                    raise SpecError("data", f"{p} is not an absolute path to a file")
+            if spec.data.tokens is not None:
+                if len(paths) != 1:
+                    raise SpecError("data.tokens", "a token-file job takes exactly one --data file")
+                return Sources(tokens=paths[0])
+            return Sources(files=tuple(sorted(set(paths))))
+        if base is not None and not Path(base).is_absolute():
+            raise SpecError("base", f"{base} is not an absolute directory")
+        return resolve_sources(spec.data, base or "/")
+
+    def _publish(self, job: Job) -> None:
+        value = job.spec.to_msgpack()
+        self._announcements.append(self.dht.announce(dht_key("job", job.job_id, "spec"), lambda: value))
+        # Announcing the same key again replaces the entry and stores it now: readers see the new
+        # job at once rather than at the index's next refresh.
+        self._index = self.dht.announce(dht_key("jobs"), self._index_value)
+
+    def _index_value(self) -> bytes:
+        return msgpack.packb([j.job_id for j in self.jobs.values() if j.local], use_bin_type=True)
+
+    async def withdraw(self) -> None:
+        """Drain: take our specs and index entry out of the DHT."""
+        for ann in [*self._announcements, *([self._index] if self._index else [])]:
+            await self.dht.withdraw(ann)
+        self._announcements, self._index = [], None
+
+    # ------------------------------------------------------------------ discovery
+
+    async def refresh(self, latest: bool = True) -> None:
+        """Learn the jobs other daemons published; a spec that does not hash to its id is ignored."""
+        for record in (await self.dht.get(dht_key("jobs"), latest=latest)).values():
+            try:
+                ids = msgpack.unpackb(record.value, raw=False)
+            except (ValueError, msgpack.UnpackException):
+                continue
+            if not isinstance(ids, list):
+                continue
+            for job_id in ids[:MAX_JOBS_PER_SUBMITTER]:
+                if isinstance(job_id, bytes) and job_id not in self.jobs:
+                    await self._learn(job_id, record.public_key)
+
+    async def _learn(self, job_id: bytes, submitter: bytes) -> None:
+        for record in (await self.dht.get(dht_key("job", job_id, "spec"))).values():
+            if record.public_key != submitter:
+                continue
+            try:
+                spec = JobSpec.from_msgpack(record.value)
+            except SpecError:
+                continue
+            if spec.job_id(submitter) == job_id:
+                self.jobs[job_id] = Job(job_id, spec, submitter, local=False)
+                return
+
+    async def find(self, name_or_id: Any) -> Job:
+        """A job by hex id, or by name when exactly one known job has it."""
+        if not isinstance(name_or_id, str) or not name_or_id:
+            raise JobRequestError("bad_request", "job: a job id (hex) or name is required")
+        for attempt in range(2):
+            match = self._match(name_or_id)
+            if match is not None:
+                return match
+            if attempt == 0:
+                await self.refresh()
+        raise JobRequestError("not_found", f"job: no job {name_or_id!r} is known to this daemon or the DHT")
+
+    def _match(self, name_or_id: str) -> Job | None:
+        try:
+            job = self.jobs.get(bytes.fromhex(name_or_id))
+        except ValueError:
+            job = None
+        if job is not None:
+            return job
+        named = [j for j in self.jobs.values() if j.spec.name == name_or_id]
+        if len(named) > 1:
+            raise JobRequestError("bad_request", f"job: {len(named)} jobs are named {name_or_id!r}; give the id")
+        return named[0] if named else None
+
+    async def stage_peers(self, job: Job) -> list[dict[str, Any]]:
+        """Per stage, the peers announcing it in the DHT (the `job.get` payload's `stages`)."""
+        stages = []
+        for index in range(job.spec.pipeline.stages):
+            peers = []
+            for record in (await self.dht.get(dht_key("job", job.job_id, "stage", index))).values():
+                try:
+                    fields = msgpack.unpackb(record.value, raw=False)
+                except (ValueError, msgpack.UnpackException):
+                    continue
+                if isinstance(fields, dict):
+                    peers.append({"peer_id": record.subkey.hex(), "address": str(fields.get("addr", "")),
+                                  "samples_per_s": float(fields.get("samples_per_s", 0.0)),
+                                  "queue": int(fields.get("queue", 0)), "step": int(fields.get("step", 0)),
+                                  "state": str(fields.get("state", ""))})
+            stages.append({"stage": index, "peers": peers})
+        return stages
+
+    async def describe(self, job: Job) -> dict[str, Any]:
+        stages = await self.stage_peers(job)
+        empty = [s["stage"] for s in stages if not s["peers"]]
+        state = "waiting" if empty and job.state == "running" else job.state
+        if job.state in FINAL_STATES:
+            status = f"job {job.state}"
+        elif empty:
+            status = "waiting: " + ", ".join(f"stage {i} has no peers" for i in empty)
+        else:
+            status = f"{job.state}: every stage has peers"
+        return {"job": job.job_id.hex(), "name": job.spec.name, "state": state, "status": status,
+                "submitter": job.submitter.hex(), "step": job.step, "steps": job.spec.steps, "loss": job.loss,
+                "samples_per_s": job.samples_per_s, "stages": stages}
+
+    def cancel(self, job: Job) -> None:
+        if not job.local:
+            raise JobRequestError("not_found", f"job: {job.job_id.hex()} was not submitted through this daemon")
+        if job.state not in FINAL_STATES:
+            job.state = "cancelled"
+            job.event("done", "cancelled by swarmctl cancel")
+
+    async def events(self, job: Job, follow: bool) -> AsyncIterator[dict[str, Any]]:
+        """Held events, then (with `follow`) new ones until the job reaches a final state."""
+        sent = job.emitted - len(job.events)
+        while True:
+            held, first = list(job.events), job.emitted - len(job.events)
+            for event in held[max(0, sent - first):]:
+                yield event
+            sent = job.emitted
+            if not follow or job.state in FINAL_STATES:
+                return
+            await job.changed.wait()

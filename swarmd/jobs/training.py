@@ -1,0 +1,83 @@
+"""Trainers running inside the daemon, their events buffered on the job for `job.logs`.
+
+A job submitted with `trainers = K` runs shards 0..K-1 here; `job.train {job, data, shard, shards}`
+runs one more shard in another daemon (shard k of K: the shards split each step's microbatches, so
+together they cover the global batch exactly once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from swarmd.job import TokenDataset, TrainingData, read_tokens
+from swarmd.jobs.registry import FINAL_STATES, Job
+from swarmd.train.events import StatusEvent, StepEvent
+from swarmd.train.trainer import Trainer, TrainerConfig
+from transport.tasks import TaskSet
+
+log = logging.getLogger(__name__)
+
+
+class Training:
+    def __init__(self, pool: Any, directory: Any, config: TrainerConfig = TrainerConfig()) -> None:
+        self.pool, self.directory, self.config = pool, directory, config
+        self._tasks = TaskSet("trainers")
+        self._running: dict[bytes, int] = {}
+        self._trainers: dict[bytes, list[asyncio.Task]] = {}
+
+    async def start(self, job: Job, shards: range, of: int) -> None:
+        """Open the job's data (off the loop) and run the given shards in supervised tasks."""
+        assert job.sources is not None
+        spec = job.spec
+        tokens = await asyncio.to_thread(read_tokens, job.sources)
+        data = TrainingData(TokenDataset(tokens, spec.data.seq_len, spec.model.config.vocab), spec.batch, spec.seed)
+        for shard in shards:
+            trainer = Trainer(spec, job.job_id, self.directory, self.pool, data, shard=shard, shards=of,
+                              config=self.config, on_event=lambda e, s=shard: self._on_event(job, s, e))
+            self._running[job.job_id] = self._running.get(job.job_id, 0) + 1
+            task = self._tasks.spawn(self._run(job, trainer), f"trainer {job.spec.name}#{shard}")
+            self._trainers.setdefault(job.job_id, []).append(task)
+        if job.state == "waiting":
+            job.state = "running"
+
+    async def _run(self, job: Job, trainer: Trainer) -> None:
+        try:
+            await trainer.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("trainer of %s failed: %s", job.spec.name, exc)
+            job.state = "failed"
+            job.event("done", f"trainer {trainer.shard} failed: {exc}")
+            return
+        finally:
+            self._running[job.job_id] -= 1
+        if self._running[job.job_id] == 0 and job.state not in FINAL_STATES:
+            job.state = "done"
+            job.event("done", f"trained {job.spec.steps} steps")
+
+    def _on_event(self, job: Job, shard: int, event: StepEvent | StatusEvent) -> None:
+        if isinstance(event, StatusEvent):
+            job.event("warning" if event.message else "info", event.message or "training flows again")
+            return
+        job.step = event.step + 1
+        job.loss = event.global_loss if event.global_loss is not None else event.shard_loss
+        job.event("step", f"shard {shard}: step {event.step} committed", tokens_per_s=event.tokens_per_s,
+                  shard=shard, shard_loss=event.shard_loss, samples=event.samples, retries=event.retries,
+                  peers_per_stage=list(event.peers_per_stage), stage_samples=list(event.stage_samples),
+                  duplicates=list(event.duplicates))
+
+    @property
+    def started(self) -> set[bytes]:
+        """Jobs this daemon has run trainers for."""
+        return set(self._trainers)
+
+    def cancel(self, job: Job) -> None:
+        """Stop this daemon's trainers of `job` (swarmctl cancel)."""
+        for task in self._trainers.pop(job.job_id, []):
+            task.cancel()
+
+    async def close(self) -> None:
+        await self._tasks.aclose("daemon stopping")

@@ -1,0 +1,195 @@
+"""Shared by the hostile-peer tests: a tiny two-stage job, honest stage peers in this process on
+loopback, and one hostile stage peer (tests/security/hostile_peer.py) in a process of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.job import load_spec, open_training_data
+from swarmd.stage import StageLimits, StageServer, StageService
+from swarmd.train.trainer import TrainerConfig
+from swarmd.train.wiring import WiringConfig
+from transport.rpc import Message, Pool, Router, RpcServer
+
+torch.set_num_threads(1)
+
+HOSTILE = Path(__file__).with_name("hostile_peer.py")
+REPO = Path(__file__).resolve().parents[2]
+JOB_ID = hashlib.sha256(b"hostile-test-job").digest()
+
+JOB = """
+name = "hostile"
+seed = 7
+steps = {steps}
+
+[model]
+arch = "transformer-lm"
+d_model = 32
+n_heads = 4
+layers_per_stage = 1
+
+[data]
+files = ["{{stdlib}}/json/*.py"]
+seq_len = 16
+
+[batch]
+global_samples = 16
+microbatch_samples = 4
+
+[optim]
+name = "sgd"
+lr = 0.2
+momentum = 0.9
+weight_decay = 0.0
+schedule = "constant"
+clip_norm = 1.0
+
+[wire]
+activations = "none"
+gradients = "none"
+
+[pipeline]
+stages = 2
+microbatches_in_flight = 2
+delayed_updates = false
+"""
+
+LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=5.0, max_wait_s=5.0)
+TRAINER = TrainerConfig(forward_timeout_s=20.0, backward_timeout_s=20.0, info_timeout_s=2.0, refresh_s=0.5,
+                        wait_initial_s=0.01, wait_max_s=0.2, commit_poll_s=0.01, commit_poll_max_s=0.05,
+                        resend_grace_s=1.0, uncovered_grace_s=0.5, wiring=WiringConfig(seed=3))
+
+
+@dataclass
+class Honest:
+    peer_id: bytes
+    stage: int
+    service: StageService
+    rpc: RpcServer
+    pool: Pool
+
+    @property
+    def addr(self) -> str:
+        return f"{self.rpc.address[0]}:{self.rpc.address[1]}"
+
+
+@dataclass
+class HostileProcess:
+    peer_id: bytes
+    stage: int
+    addr: str
+    announcement: dict
+    process: asyncio.subprocess.Process
+
+
+@dataclass
+class Swarm:
+    spec: object
+    job_path: Path
+    limits: StageLimits
+    directory: StaticDirectory = field(default_factory=StaticDirectory)
+    honest: list[Honest] = field(default_factory=list)
+    hostile: list[HostileProcess] = field(default_factory=list)
+
+    async def announce(self, stage: int, peer_id: bytes, addr: str) -> None:
+        current = await self.directory.peers(JOB_ID, stage)
+        self.directory.set(JOB_ID, stage, [*current, StagePeer(peer_id, addr, stage)])
+
+    async def add_honest(self, stage: int, k: int) -> Honest:
+        router = Router()
+        rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
+        pool = Pool()
+        peer_id = bytes([stage, k]) * 16
+        addr = f"{rpc.address[0]}:{rpc.address[1]}"
+        service = StageService(self.spec, JOB_ID, stage, peer_id, StageServer(router), pool, self.directory,
+                               address=addr, limits=self.limits)
+        await service.start()
+        await self.announce(stage, peer_id, addr)
+        peer = Honest(peer_id, stage, service, rpc, pool)
+        self.honest.append(peer)
+        return peer
+
+    async def add_hostile(self, stage: int, mode: str) -> HostileProcess:
+        """Start the hostile peer after its honest mates: it is told them on its command line."""
+        peer_id = bytes([stage, 0xEE]) * 16
+        mates = ",".join(f"{p.peer_id.hex()}@{p.addr}" for p in self.honest if p.stage == stage)
+        limits = {k: v for k, v in asdict(self.limits).items() if v is not None}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(HOSTILE), "--job", str(self.job_path), "--job-id", JOB_ID.hex(),
+            "--stage", str(stage), "--peer-id", peer_id.hex(), "--mode", mode, "--mates", mates,
+            "--limits", json.dumps(limits), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+        line = await asyncio.wait_for(process.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError(f"the hostile peer ({mode}) exited with {await process.wait()}")
+        ready = json.loads(line)
+        await self.announce(stage, peer_id, ready["addr"])
+        hostile = HostileProcess(peer_id, stage, ready["addr"], ready["announcement"], process)
+        self.hostile.append(hostile)
+        return hostile
+
+    async def close(self) -> None:
+        for h in self.hostile:
+            h.process.stdin.close()
+            try:
+                await asyncio.wait_for(h.process.wait(), 10)
+            except TimeoutError:
+                h.process.kill()
+                await h.process.wait()
+        for p in self.honest:
+            await p.service.stop()
+            await p.rpc.close()
+            await p.pool.close()
+
+
+@pytest.fixture
+async def hostile_swarm(tmp_path):
+    """`await hostile_swarm(honest_per_stage, hostile_stage, mode, limits)`: the honest peers of
+    both stages, then the hostile one; everything is closed at the end of the test."""
+    made: list[Swarm] = []
+    pools: list[Pool] = []
+
+    async def start(honest_per_stage: int, hostile_stage: int, mode: str, limits: StageLimits = LIMITS,
+                    steps: int = 6) -> tuple[Swarm, object, Pool]:
+        job_path = tmp_path / "job.toml"
+        job_path.write_text(JOB.format(steps=steps))
+        spec = load_spec(job_path)
+        data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, tmp_path)
+        swarm = Swarm(spec, job_path, limits)
+        made.append(swarm)
+        for stage in range(spec.pipeline.stages):
+            for k in range(honest_per_stage):
+                await swarm.add_honest(stage, k)
+        await swarm.add_hostile(hostile_stage, mode)
+        pools.append(Pool())
+        return swarm, data, pools[-1]
+
+    try:
+        yield start
+    finally:
+        for pool in pools:
+            await pool.close()
+        for swarm in made:
+            await swarm.close()
+
+
+async def stage_info(pool: Pool, addr: str, stage: int) -> dict:
+    reply = await pool.call(addr, "stage.info", Message({"job": JOB_ID, "stage": stage}, codec="none"), timeout=5)
+    return reply.meta
+
+
+@pytest.fixture
+def kit():
+    """Constants and helpers (importlib mode cannot import conftest from a test module)."""
+    return SimpleNamespace(JOB_ID=JOB_ID, LIMITS=LIMITS, TRAINER=TRAINER, stage_info=stage_info)

@@ -1,0 +1,111 @@
+"""A misbehaving stage peer, run as its own process by the hostile-peer tests.
+
+It serves a real StageService (real Router, RpcServer, sockets, sync with its stage-mates) and
+lies in exactly one way, chosen by `--mode`:
+
+- `garbage`: its forward answers are random activations of the right shape and dtype (the checks
+  a single reply can get all pass; only a second opinion catches it);
+- `nan`: the input gradients it returns and the gradient sums it brings to the all-reduce are NaN;
+- `outlier`: the gradient sums it brings to the all-reduce are multiplied by 1e3;
+- `liar`: it claims 1e9 samples/s in `stage.info` and its announcement, and is in fact slow.
+
+It prints one JSON line (`addr`, `announcement`) once serving, and stops when stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import torch
+
+from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.job import load_spec
+from swarmd.stage import StageLimits, StageServer, StageService
+from transport.rpc import Message, Pool, Request, Router, RpcServer
+
+CLAIMED_SAMPLES_PER_S = 1e9
+OUTLIER_SCALE = 1e3
+LIAR_DELAY_S = 0.05
+
+
+class HostileService(StageService):
+    mode = "honest"
+
+    async def forward(self, req: Request) -> Message:
+        if self.mode == "liar":
+            await asyncio.sleep(LIAR_DELAY_S)
+        reply = await super().forward(req)
+        if self.mode == "garbage":
+            y = reply.tensors[0]
+            return Message(reply.meta, [torch.randn(y.shape, dtype=y.dtype) * 3], codec="none")
+        return reply
+
+    async def forward_backward(self, req: Request) -> Message:
+        reply = await super().forward_backward(req)
+        if self.mode == "nan" and reply.tensors:
+            return Message(reply.meta, [torch.full_like(reply.tensors[0], float("nan"))], codec="none")
+        return reply
+
+    async def backward(self, req: Request) -> Message:
+        reply = await super().backward(req)
+        if self.mode == "nan" and reply.tensors:
+            return Message(reply.meta, [torch.full_like(reply.tensors[0], float("nan"))], codec="none")
+        return reply
+
+    def flatten(self, grads):
+        flat = super().flatten(grads)
+        if self.mode == "nan" and any(g is not None for g in grads):
+            return torch.full_like(flat, float("nan"))
+        if self.mode == "outlier":
+            return flat * OUTLIER_SCALE
+        return flat
+
+    async def info(self, req: Request) -> Message:
+        reply = await super().info(req)
+        if self.mode == "liar":
+            return Message({**reply.meta, "samples_per_s": CLAIMED_SAMPLES_PER_S}, codec="none")
+        return reply
+
+    def announcement(self):
+        claim = super().announcement()
+        return {**claim, "samples_per_s": CLAIMED_SAMPLES_PER_S} if self.mode == "liar" else claim
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--peer-id", required=True)
+    parser.add_argument("--mode", choices=("garbage", "nan", "outlier", "liar"), required=True)
+    parser.add_argument("--mates", default="", help="peer_id_hex@host:port,... of its stage-mates")
+    parser.add_argument("--limits", default="{}", help="StageLimits fields as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = load_spec(args.job)
+    job_id, peer_id = bytes.fromhex(args.job_id), bytes.fromhex(args.peer_id)
+    router = Router()
+    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
+    addr = f"{rpc.address[0]}:{rpc.address[1]}"
+    mates = [StagePeer(bytes.fromhex(m.split("@")[0]), m.split("@")[1], args.stage)
+             for m in args.mates.split(",") if m]
+    directory = StaticDirectory({(job_id, args.stage): [*mates, StagePeer(peer_id, addr, args.stage)]})
+    pool = Pool()
+    HostileService.mode = args.mode
+    service = HostileService(spec, job_id, args.stage, peer_id, StageServer(router), pool, directory,
+                             address=addr, limits=StageLimits(**json.loads(args.limits)))
+    await service.start()
+    print(json.dumps({"addr": addr, "announcement": service.announcement()}), flush=True)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    finally:
+        await service.stop()
+        await rpc.close()
+        await pool.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
