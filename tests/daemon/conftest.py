@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,9 @@ from typing import Callable, Iterator
 import pytest
 
 from swarmd.client import ControlError, DaemonUnavailable, SyncClient
+# Below the ephemeral range: an OS-assigned port can be taken by an outgoing connection before the
+# daemon that was told it binds it.
+from swarmd.swarmproc import free_port
 
 #: A daemon imports torch (through the transport) before it listens: seconds on a busy 2-core box.
 START_TIMEOUT_S = 90.0
@@ -28,13 +30,6 @@ def base_env(**extra: str) -> dict[str, str]:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    """A port the OS just handed out and released (for daemons that must know a peer's port upfront)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
