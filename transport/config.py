@@ -8,6 +8,7 @@ from typing import Any
 from .identity import Identity
 from .limits import KiB, MiB, Limits
 from .sockopts import SocketOptions
+from .traffic import Traffic
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class RpcConfig:
     # the hello. Both ends must agree (a mismatch fails the hello). Off by default: on a trusted
     # network TLS-grade secrecy costs CPU (see bench/transport.py "encryption") for nothing.
     encrypt: bool = False
+    # Totals of socket bytes sent and received by every connection built from this config (metrics);
+    # None costs nothing per write.
+    traffic: Traffic | None = None
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "heartbeat_interval_s", "default_timeout_s",

@@ -254,7 +254,7 @@ class Connection(asyncio.Protocol):
                 return
             self._gate_source = source
         transport.set_write_buffer_limits(high=self._config.write_buffer_bytes)
-        self._writelines = transport.writelines
+        self._writelines = self._socket_writelines()
         self._handshake_timer = self._loop.call_later(
             self._config.handshake_timeout_s,
             lambda: self._refuse(HandshakeError(f"no hello within {self._config.handshake_timeout_s} s")),
@@ -262,8 +262,15 @@ class Connection(asyncio.Protocol):
         self._send_control(encode_frame(Kind.HELLO, {"hello": self._handshake.hello_bytes()}))
         self._tasks.spawn(self._write_loop(), "writer")
 
+    def _socket_writelines(self) -> Callable[[list[Piece]], None]:
+        assert self._transport is not None
+        traffic = self._config.traffic
+        return self._transport.writelines if traffic is None else traffic.counting(self._transport.writelines)
+
     def data_received(self, data: bytes) -> None:
         self._last_rx = self._loop.time()
+        if self._config.traffic is not None:
+            self._config.traffic.received_bytes += len(data)
         try:
             if self._opener is not None:
                 self._feed(self._opener.open(data))
@@ -399,7 +406,7 @@ class Connection(asyncio.Protocol):
             # KiB never fill the write buffer), so from here on each frame is sealed, in order.
             send_key, recv_key = self._keys
             assert self._transport is not None and not self._outbox
-            self._writelines = Sealer(send_key, self._transport.writelines).writelines
+            self._writelines = Sealer(send_key, self._socket_writelines()).writelines
             self._opener = Opener(recv_key, self._config.limits.max_frame_bytes)
         assert self.remote is not None
         self._rate_key = self.remote.peer_id or ("source", source_of(self._address))
@@ -731,7 +738,7 @@ class Connection(asyncio.Protocol):
         if self._error is not None or self._transport is None:
             return
         reason = str(error)[:HANDSHAKE_REASON_CHARS]
-        self._transport.writelines(encode_frame(Kind.HELLO, {"refused": reason}))
+        self._socket_writelines()(encode_frame(Kind.HELLO, {"refused": reason}))
         self._shutdown(error)
         self._transport.close()
 

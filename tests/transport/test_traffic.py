@@ -1,0 +1,131 @@
+"""Traffic counters on live sockets: what each end counts is what crossed the wire.
+
+A counting TCP relay sits between a Pool and an RpcServer, each with its own `Traffic`. After a few
+calls (small, then one carrying a 1 MiB tensor), the client's sent bytes equal what the relay
+carried towards the server and the server's received bytes, and the other way round; the same holds
+with encryption on (sealed records are counted as they leave), and a refused hello is counted too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
+from transport.traffic import Traffic
+
+torch.set_num_threads(1)
+
+#: Heartbeats would add PING frames at any moment; these tests compare totals, so they are rare.
+QUIET = {"heartbeat_interval_s": 60.0, "heartbeat_timeout_s": 120.0}
+SETTLE_S = 20.0
+
+
+class CountingRelay:
+    """Forwards TCP both ways and counts the bytes it forwarded in each direction."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.to_server = 0
+        self.to_client = 0
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> "CountingRelay":
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.address = self._server.sockets[0].getsockname()[:2]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._pipes:
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        for task in (asyncio.create_task(self._pipe(reader, up_writer, "to_server")),
+                     asyncio.create_task(self._pipe(up_reader, writer, "to_client"))):
+            self._pipes.add(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
+        try:
+            while data := await reader.read(65536):
+                setattr(self, direction, getattr(self, direction) + len(data))
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+async def echo(req: Request) -> Message:
+    return Message(dict(req.meta), req.tensors, codec="none")
+
+
+async def settled(check) -> None:
+    """Wait until `check()` holds: the last bytes may still sit in a kernel buffer."""
+    deadline = asyncio.get_running_loop().time() + SETTLE_S
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "traffic counters never settled"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+async def test_both_ends_count_exactly_the_bytes_that_crossed(encrypt: bool) -> None:
+    router = Router()
+    router.unary("echo", echo)
+    server_traffic, client_traffic = Traffic(), Traffic()
+    server = await RpcServer.serve_tcp(
+        router, "127.0.0.1", 0, RpcConfig(traffic=server_traffic, encrypt=encrypt, **QUIET),
+    )
+    pool = Pool(RpcConfig(traffic=client_traffic, encrypt=encrypt, **QUIET))
+    try:
+        async with CountingRelay(("127.0.0.1", server.port)) as relay:
+            for i in range(5):
+                assert (await pool.call(relay.address, "echo", Message({"i": i}), timeout=10)).meta == {"i": i}
+            big = torch.arange(256 * 1024, dtype=torch.float32)  # 1 MiB of payload, sent uncompressed
+            reply = await pool.call(relay.address, "echo", Message({}, [big], codec="none"), timeout=30)
+            assert torch.equal(reply.tensors[0], big)
+
+            await settled(lambda: client_traffic.sent_bytes == relay.to_server == server_traffic.received_bytes
+                          and server_traffic.sent_bytes == relay.to_client == client_traffic.received_bytes)
+            assert client_traffic.sent_bytes > big.numel() * 4
+            assert server_traffic.sent_bytes > big.numel() * 4
+            await pool.close()
+    finally:
+        await pool.close()
+        await server.close()
+
+
+async def test_a_refused_hello_is_counted() -> None:
+    """The refusal frame is written outside the normal writer; it still counts. A raw client that
+    never says hello reads everything the server sends until it hangs up at the handshake deadline:
+    our hello, then the refusal."""
+    server_traffic = Traffic()
+    server = await RpcServer.serve_tcp(Router(), "127.0.0.1", 0,
+                                       RpcConfig(traffic=server_traffic, handshake_timeout_s=0.5))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        received = await asyncio.wait_for(reader.read(), SETTLE_S)  # until the server closes
+        writer.close()
+        assert b"no hello within" in received
+        assert server_traffic.sent_bytes == len(received)
+        assert server_traffic.received_bytes == 0
+    finally:
+        await server.close()
+
+
+def test_a_config_without_traffic_counts_nothing_and_copies_share_one_counter() -> None:
+    import dataclasses
+
+    traffic = Traffic()
+    config = RpcConfig(traffic=traffic)
+    assert dataclasses.replace(config, app={"announce": "x:1"}).traffic is traffic
+    assert RpcConfig().traffic is None
+    assert Traffic() != Traffic()  # counters compare by identity, not by their current values
