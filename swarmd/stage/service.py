@@ -84,6 +84,9 @@ class StageService:
         self._committed_event = asyncio.Event()
         self._waiting = 0
         self._checkpoint_lock = asyncio.Lock()
+        self._resume_lock = asyncio.Lock()
+        # (from, to) for every jump over steps this stage lost (see `_resume_at`), shown by stage.info.
+        self.skipped: deque[tuple[int, int]] = deque(maxlen=limits.records_kept)
         self._streams = 0
 
     # ------------------------------------------------------------------------ lifecycle
@@ -311,6 +314,8 @@ class StageService:
                 raise StaleStep(step, committed).to_rpc()
             if step <= committed + ahead:
                 return
+            if await self._resume_at(step - ahead) or self.committed != committed:
+                continue
             now = loop.time()
             until = now + self.limits.max_wait_s
             if deadline is not None:
@@ -330,6 +335,69 @@ class StageService:
             finally:
                 self._waiting -= 1
 
+    async def _resume_at(self, target: int) -> bool:
+        """Skip the steps this stage lost, when the rest of the swarm shows they were committed.
+
+        A stage whose every peer died restarts from its newest checkpoint (step c), while the other
+        stages and the trainers went on to step s > c. Nobody will ever send work for steps c..s-1
+        again (the trainers hold only step s), so waiting for their commits deadlocks the job. The
+        updates of those steps are lost with the peers that held them; the stage takes up the
+        swarm's step with its checkpointed parameters (the LR schedule continues at s), as a
+        pipeline resumed from per-stage checkpoints must. Allowed only when no live stage-mate is
+        ahead (then downloading its state is right, and the sync loop does it) and a peer of
+        another stage has committed `target` steps, so one confused trainer cannot push a stage
+        forward on its word alone. True when this peer now accepts work for `target`.
+        """
+        async with self._resume_lock:
+            if self.committed >= target:
+                return True
+            if target >= self.spec.steps:
+                return False
+            if self.sync.mate_ahead():
+                return False  # a mate holds newer state: StageSync.tick downloads it
+            if self.spec.pipeline.stages > 1:
+                # A directory backed by the DHT fails in many ways; a failed look is a "not now".
+                try:
+                    evidence = await self._other_stages_step()
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("stage %d: cannot read the other stages' steps: %s", self.stage_index, exc)
+                    return False
+                if evidence < target:
+                    return False
+            lost_from = self.committed
+
+            def jump() -> None:
+                with self.guard.write():
+                    self.opt.step_count = target
+                    self.accumulator.clear()
+
+            await self.in_aux(jump)
+            self.skipped.append((lost_from, target))
+            log.warning("stage %d resumed at step %d with the state of step %d: the swarm went on without "
+                        "it, so the updates of steps %d..%d are lost", self.stage_index, target, lost_from,
+                        lost_from, target - 1)
+            self._notify_commit()
+            return True
+
+    async def _other_stages_step(self) -> int:
+        """The most steps any live peer of another stage of the job has committed (-1: none answers)."""
+        addrs = []
+        for stage in range(self.spec.pipeline.stages):
+            if stage != self.stage_index:
+                addrs += [(stage, p.addr) for p in await self.directory.peers(self.job_id, stage)]
+
+        async def step_of(stage: int, addr: str) -> int:
+            try:
+                reply = await self.pool.call(addr, "stage.info", Message({"job": self.job_id, "stage": stage},
+                                                                         codec="none"),
+                                             timeout=self.limits.progress_timeout_s)
+            except (TransportError, RpcError):
+                return -1
+            step = reply.meta.get("step")
+            return step if type(step) is int else -1
+
+        return max(await asyncio.gather(*(step_of(stage, addr) for stage, addr in addrs)), default=-1)
+
     def _notify_commit(self) -> None:
         event, self._committed_event = self._committed_event, asyncio.Event()
         event.set()
@@ -346,6 +414,7 @@ class StageService:
             "missing": self.sync.missing, "uncovered": self.sync.uncovered,
             "duplicates": self.accumulator.duplicates(self.committed),
             "last_step": last, "round_failure": self.sync.last_failure,
+            "skipped": [list(jump) for jump in self.skipped],
         }, codec="none")
 
     async def state_stream(self, req: Request) -> AsyncIterator[Message]:

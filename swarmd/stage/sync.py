@@ -107,6 +107,11 @@ class StageSync:
             self._slow.pop(gone, None)
         return views
 
+    def mate_ahead(self) -> bool:
+        """Did a serving mate, at the last poll, show more committed steps than this peer? (Then
+        `tick` downloads its state; it is the cached answer, so asking costs no call.)"""
+        return any(m.state == "serving" and m.step > self.s.committed for m in self._known.values())
+
     async def _progress(self, peer_id: bytes, addr: str) -> MateView:
         reply = await self.s.pool.call(addr, "stage.sync.progress", Message(self.s.meta(), codec="none"),
                                        timeout=self.s.limits.progress_timeout_s)
