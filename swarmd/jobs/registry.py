@@ -81,6 +81,7 @@ class JobRegistry:
         self.jobs: dict[bytes, Job] = {}
         self._announcements: list[Any] = []
         self._index = None
+        self.listed: set[bytes] = set()  # job ids in the `jobs` index at the last refresh
 
     # ------------------------------------------------------------------ submit
 
@@ -151,7 +152,8 @@ class JobRegistry:
         self._index = self.dht.announce(dht_key("jobs"), self._index_value)
 
     def _index_value(self) -> bytes:
-        return msgpack.packb([j.job_id for j in self.jobs.values() if j.local], use_bin_type=True)
+        return msgpack.packb([j.job_id for j in self.jobs.values() if j.local and j.state != "cancelled"],
+                             use_bin_type=True)
 
     async def withdraw(self) -> None:
         """Drain: take our specs and index entry out of the DHT."""
@@ -162,7 +164,9 @@ class JobRegistry:
     # ------------------------------------------------------------------ discovery
 
     async def refresh(self, latest: bool = True) -> None:
-        """Learn the jobs other daemons published; a spec that does not hash to its id is ignored."""
+        """Learn the jobs other daemons published; a spec that does not hash to its id is ignored.
+        `listed` becomes the ids the index holds now: a job missing from it is gone or cancelled."""
+        listed = {j.job_id for j in self.jobs.values() if j.local and j.state != "cancelled"}
         for record in (await self.dht.get(dht_key("jobs"), latest=latest)).values():
             try:
                 ids = msgpack.unpackb(record.value, raw=False)
@@ -173,6 +177,10 @@ class JobRegistry:
             for job_id in ids[:MAX_JOBS_PER_SUBMITTER]:
                 if isinstance(job_id, bytes) and job_id not in self.jobs:
                     await self._learn(job_id, record.public_key)
+                known = self.jobs.get(job_id) if isinstance(job_id, bytes) else None
+                if known is not None and known.submitter == record.public_key:
+                    listed.add(job_id)
+        self.listed = listed
 
     async def _learn(self, job_id: bytes, submitter: bytes) -> None:
         for record in (await self.dht.get(dht_key("job", job_id, "spec"))).values():
@@ -248,6 +256,8 @@ class JobRegistry:
         if job.state not in FINAL_STATES:
             job.state = "cancelled"
             job.event("done", "cancelled by swarmctl cancel")
+            # Out of the index at once: daemons serving it (or restarting to rejoin it) see it gone.
+            self._index = self.dht.announce(dht_key("jobs"), self._index_value)
 
     async def events(self, job: Job, follow: bool) -> AsyncIterator[dict[str, Any]]:
         """Held events, then (with `follow`) new ones until the job reaches a final state."""
