@@ -1,0 +1,456 @@
+"""Pipeline throughput of a local swarm against one process, under preemption, and wire bytes by codec.
+
+    .venv/bin/python bench/pipeline.py [--stages 4] [--peers-per-stage 2] [--d-model 128] [--seq-len 128]
+                                       [--duration 60] [--fault-duration 80] [--kill-every 20]
+                                       [--device cpu|cuda] [--codecs none,fp16,lz4,fp16+lz4,int8]
+
+One job spec (a byte-level GPT on the Python standard library's source, sized by the flags) is
+measured three ways, and ONE JSON object is printed:
+
+- local: `swarmd.reference.ReferenceTrainer` in this process (same registry, same init, same data
+  order, same global batch, same optimizer), timed over `--local-steps` after a warm-up step, with
+  one torch thread as each daemon's stage has (on a busy 2-core machine two threads ran 6x slower);
+- swarm: a `swarmd.swarmproc.LocalSwarm` of real `swarmd` processes on loopback: one daemon whose
+  trainer(s) push microbatches and `stages x peers-per-stage` daemons, each serving one stage. After
+  `--warmup-steps` commits, samples/s is measured over a `--duration` window with no faults, then
+  over a `--fault-duration` window in which every `--kill-every` seconds one stage peer (from a stage
+  whose peers are all up) is SIGKILLed and at once restarted (same state dir, identity and port);
+  it downloads its stage's state from its mate and serves again. Both windows run on the same job
+  and the same warm processes, so the ratio isolates the cost of the faults.
+- wire bytes per sample by codec: for each codec, a trainer in this process trains `--wire-steps`
+  steps against one real `StageService` per stage over real loopback TCP connections of the
+  transport; the bytes are read from the kernel (`TCP_INFO` bytes_acked + bytes_received on the
+  trainer's sockets, the hello excluded): every byte the trainer's links carry, frames, headers and
+  `stage.info` polls included, not TCP/IP headers. Stage-mates' all-reduce traffic (its own codec,
+  `allreduce_codec`) is not in it: one peer per stage has no mates.
+
+Samples/s are windowed: steps committed between the window's start and end, times the global
+batch, over the window's length (so a stall at the end of the window counts against it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import random
+import socket
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+# Run as a script, bench/ is first on sys.path and bench/transport.py would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+
+import torch  # noqa: E402
+
+from swarmd.client import Client, ControlError, DaemonUnavailable  # noqa: E402
+from swarmd.directory import StagePeer, StaticDirectory  # noqa: E402
+from swarmd.job import open_training_data  # noqa: E402
+from swarmd.job.data import TrainingData  # noqa: E402
+from swarmd.job.spec import JobSpec  # noqa: E402
+from swarmd.reference import ReferenceTrainer  # noqa: E402
+from swarmd.stage import StageLimits, StageServer, StageService  # noqa: E402
+from swarmd.swarmproc import LocalSwarm, PeerProcess, SwarmError, SwarmSettings, install_signal_handlers  # noqa: E402
+from swarmd.train.trainer import Trainer  # noqa: E402
+from transport.codecs import CODECS  # noqa: E402
+from transport.rpc import Pool, Router, RpcServer  # noqa: E402
+
+DEFAULT_CODECS = ("none", "fp16", "lz4", "fp16+lz4", "int8")
+#: The swarm's job never ends by itself: the windows end it (cancel). Also the LR schedule's length.
+SWARM_STEPS = 1_000_000
+#: How long a restarted or fresh daemon may take to find the job's record in the DHT.
+JOB_DISCOVERY_S = 30.0
+#: `struct tcp_info` (linux/tcp.h): tcpi_bytes_acked and tcpi_bytes_received, u64 each, at byte 120
+#: (Linux 4.1+). bytes_acked counts the SYN as one byte; differences from a snapshot cancel it.
+TCP_INFO_BYTES_OFFSET = 120
+TCP_INFO_LEN = 256
+#: Stage-side settings for the in-process wire measurement: a quick sync poll so a step commits in
+#: tens of milliseconds instead of the default 0.1 s (fewer trainer `stage.info` polls to count).
+WIRE_STAGE_LIMITS = StageLimits(sync_interval_s=0.02, workers=1, torch_threads=1)
+WIRE_JOB_ID = hashlib.sha256(b"swarmd bench/pipeline wire bytes").digest()
+
+
+# ------------------------------------------------------------------------------------ the job
+
+
+def job_dict(args: argparse.Namespace, steps: int) -> dict[str, Any]:
+    """The spec every side trains, as the TOML table `swarmctl submit` would send."""
+    return {
+        "name": "pipeline-bench", "seed": args.seed, "steps": steps,
+        "model": {"arch": "transformer-lm", "d_model": args.d_model, "n_heads": args.n_heads,
+                  "layers_per_stage": args.layers_per_stage, "vocab": 256, "dropout": 0.0},
+        "data": {"files": ["{stdlib}/*.py"], "seq_len": args.seq_len},
+        "batch": {"global_samples": args.global_samples, "microbatch_samples": args.microbatch_samples},
+        "optim": {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
+                  "schedule": "constant", "clip_norm": 1.0},
+        "wire": {"activations": args.codec, "gradients": args.codec},
+        "pipeline": {"stages": args.stages, "microbatches_in_flight": args.in_flight, "delayed_updates": False},
+        "checkpoint": {"every_steps": 0},
+    }
+
+
+def with_codec(raw: dict[str, Any], codec: str) -> dict[str, Any]:
+    return {**raw, "wire": {"activations": codec, "gradients": codec}}
+
+
+# ------------------------------------------------------------------------------ local baseline
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    """`TrainingData` whose microbatches are moved to `device`: what the reference needs off CPU."""
+
+    data: TrainingData
+    device: torch.device
+
+    def microbatch(self, step: int, index: int):
+        mb = self.data.microbatch(step, index)
+        return replace(mb, inputs=mb.inputs.to(self.device), targets=mb.targets.to(self.device))
+
+
+def run_local(spec: JobSpec, steps: int, device: torch.device) -> dict[str, Any]:
+    """One process, the same spec: one warm-up step (allocations, kernel selection), then `steps` timed."""
+    data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, Path.cwd())
+    trainer = ReferenceTrainer(spec, OnDevice(data, device))
+    trainer.model.to(device)  # in place: the optimizers built on these parameters keep them
+    trainer.train_step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - started
+    params = sum(p.numel() for p in trainer.model.parameters())
+    return {"samples_per_s": steps * spec.batch.global_samples / wall, "steps": steps, "wall_s": round(wall, 3),
+            "threads": torch.get_num_threads(), "parameters": params}
+
+
+# ------------------------------------------------------------------------- wire bytes by codec
+
+
+def socket_bytes(sock: socket.socket) -> int:
+    """Payload bytes this TCP socket has had acknowledged plus those it received, from the kernel."""
+    raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+    acked, received = struct.unpack_from("<QQ", raw, TCP_INFO_BYTES_OFFSET)
+    return acked + received
+
+
+async def wire_bytes_for(raw: dict[str, Any], codec: str, steps: int) -> dict[str, Any]:
+    """Train `steps` steps with `codec` on both directions against one real stage peer per stage;
+    the bytes the trainer's connections carried, per sample."""
+    spec = JobSpec.from_dict(with_codec(raw, codec))
+    data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, Path.cwd())
+    directory = StaticDirectory()
+    opened: list[tuple[StageService, RpcServer, Pool]] = []
+    trainer_pool = Pool()
+    try:
+        for stage in range(spec.pipeline.stages):
+            router = Router()
+            server = StageServer(router)
+            rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
+            pool = Pool()
+            addr = f"{rpc.address[0]}:{rpc.address[1]}"
+            peer_id = hashlib.sha256(b"wire peer %d" % stage).digest()
+            service = StageService(spec, WIRE_JOB_ID, stage, peer_id, server, pool, directory, address=addr,
+                                   limits=WIRE_STAGE_LIMITS)
+            opened.append((service, rpc, pool))
+            await service.start()
+            directory.set(WIRE_JOB_ID, stage, [StagePeer(peer_id, addr, stage)])
+        addrs = [f"{rpc.address[0]}:{rpc.address[1]}" for _, rpc, _ in opened]
+        sockets = [(await trainer_pool.connect(a)).get_extra_info("socket") for a in addrs]
+        before = sum(socket_bytes(s) for s in sockets)
+        trainer = Trainer(spec, WIRE_JOB_ID, directory, trainer_pool, data)
+        await trainer.run(0, steps)
+        after = [(await trainer_pool.connect(a)).get_extra_info("socket") for a in addrs]
+        if any(a is not b for a, b in zip(after, sockets)):
+            raise RuntimeError(f"codec {codec}: a trainer connection was replaced mid-run; its bytes are lost")
+        total = sum(socket_bytes(s) for s in sockets) - before
+    finally:
+        await trainer_pool.close()
+        for service, rpc, pool in reversed(opened):
+            await service.stop()
+            await rpc.close()
+            await pool.close()
+    samples = steps * spec.batch.global_samples
+    return {"bytes": total, "samples": samples, "bytes_per_sample": total / samples}
+
+
+def measure_wire(raw: dict[str, Any], codecs: list[str], steps: int) -> dict[str, dict[str, Any]]:
+    return {codec: asyncio.run(wire_bytes_for(raw, codec, steps)) for codec in codecs}
+
+
+# ------------------------------------------------------------------------------ the local swarm
+
+
+@dataclass
+class StagePeerProc:
+    peer: PeerProcess
+    stage: int
+    up: bool = True
+
+
+@dataclass
+class Kill:
+    at: float  # Unix time of the SIGKILL
+    victim: str
+    stage: int
+    rejoin_s: float | None = None  # SIGKILL until it serves its stage again
+
+
+@dataclass
+class SwarmRun:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    kills: list[Kill] = field(default_factory=list)
+    windows: dict[str, tuple[float, float]] = field(default_factory=dict)
+    skipped_ticks: int = 0  # kill ticks at which no stage had all its peers up
+    startup_s: float = 0.0
+    job_state: str | None = None
+
+    def committed_by(self, t: float) -> int:
+        """Steps committed at Unix time t, from the trainers' step events."""
+        return max((int(e["step"]) for e in self.events if e.get("kind") == "step" and e["ts"] <= t), default=0)
+
+    def window(self, name: str, global_samples: int) -> dict[str, Any]:
+        start, end = self.windows[name]
+        steps = self.committed_by(end) - self.committed_by(start)
+        return {"samples_per_s": steps * global_samples / (end - start), "steps": steps,
+                "window_s": round(end - start, 2)}
+
+
+async def serve_stage(peer: PeerProcess, job: str, stage: int) -> None:
+    """`swarmctl serve JOB --stage I` on that daemon; a daemon that has not read the job's record from
+    the DHT yet answers not_found, which is retried for a while."""
+    deadline = time.monotonic() + JOB_DISCOVERY_S
+    while True:
+        try:
+            async with Client(peer.socket) as client:
+                await client.serve(job, stage)
+                return
+        except ControlError as exc:
+            if exc.code != "not_found" or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.3)
+
+
+async def follow(trainer: PeerProcess, job: str, run: SwarmRun) -> None:
+    async with Client(trainer.socket, timeout=3600.0) as client:
+        async for event in client.logs(job, follow=True):
+            run.events.append(event)
+
+
+async def wait_steps(run: SwarmRun, steps: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while run.committed_by(time.time()) < steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the swarm committed {run.committed_by(time.time())} of {steps} warm-up steps "
+                               f"in {timeout:g} s")
+        await asyncio.sleep(0.2)
+
+
+async def restart(swarm: LocalSwarm, target: StagePeerProc, job: str, kill: Kill) -> None:
+    swarm.restart(target.peer, wait=False)
+    await swarm.wait_ready_async([target.peer])
+    await serve_stage(target.peer, job, target.stage)
+    kill.rejoin_s = time.time() - kill.at
+    target.up = True
+
+
+async def preempt(swarm: LocalSwarm, peers: list[StagePeerProc], job: str, args: argparse.Namespace,
+                  run: SwarmRun, rng: random.Random) -> None:
+    """A kill at the window's start and every `kill_every` s after, until the window ends; each victim
+    restarts in its own task. The window's end cancels restarts still under way."""
+    end = time.monotonic() + args.fault_duration
+    pending: list[asyncio.Task] = []
+    async with asyncio.TaskGroup() as restarts:
+        tick = time.monotonic()
+        while tick < end:
+            await asyncio.sleep(max(0.0, tick - time.monotonic()))
+            tick += args.kill_every
+            whole = {s for s in range(args.stages) if all(p.up for p in peers if p.stage == s)}
+            choices = [p for p in peers if p.stage in whole]
+            if not choices:
+                run.skipped_ticks += 1
+                continue
+            target = rng.choice(choices)
+            swarm.kill(target.peer)
+            target.up = False
+            kill = Kill(time.time(), target.peer.name, target.stage)
+            run.kills.append(kill)
+            pending.append(restarts.create_task(restart(swarm, target, job, kill), name=f"restart {target.peer.name}"))
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
+        for task in pending:  # what the window's end cuts short
+            task.cancel()
+
+
+async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProcess], raw: dict[str, Any],
+                args: argparse.Namespace, run: SwarmRun) -> None:
+    async with Client(trainer.socket) as client:
+        job = (await client.submit(raw, [], trainers=args.trainers))["job"]
+    peers = [StagePeerProc(peer, i % args.stages) for i, peer in enumerate(servers)]
+    await asyncio.gather(*(serve_stage(p.peer, job, p.stage) for p in peers))
+    async with asyncio.TaskGroup() as tg:
+        follower = tg.create_task(follow(trainer, job, run), name="follow job.logs")
+        try:
+            await wait_steps(run, args.warmup_steps, args.timeout)
+            start = time.time()
+            await asyncio.sleep(args.duration)
+            run.windows["no_faults"] = (start, time.time())
+            if args.fault_duration > 0:
+                start = time.time()
+                await preempt(swarm, peers, job, args, run, random.Random(args.seed))
+                run.windows["faults"] = (start, time.time())
+            await asyncio.sleep(1.0)  # the last step events of the window reach us
+        finally:
+            follower.cancel()
+    async with Client(trainer.socket) as client:
+        run.job_state = (await client.job(job)).get("state")
+        await client.cancel(job)
+
+
+def run_swarm(raw: dict[str, Any], args: argparse.Namespace, root: Path) -> SwarmRun:
+    run = SwarmRun()
+    settings = SwarmSettings(log_level="warning", device=args.device)
+    with LocalSwarm(root, settings) as swarm:
+        started = time.monotonic()
+        trainer, *servers = swarm.start(1 + args.stages * args.peers_per_stage)
+        run.startup_s = round(time.monotonic() - started, 2)
+        asyncio.run(drive(swarm, trainer, servers, raw, args, run))
+    return run
+
+
+# ------------------------------------------------------------------------------------ the bench
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    torch.set_num_threads(args.local_threads or torch.get_num_threads())
+    raw = job_dict(args, SWARM_STEPS)
+    spec = JobSpec.from_dict(raw)
+    config = {k: v for k, v in sorted(vars(args).items()) if k != "codecs"} | {"codecs": list(args.codecs)}
+    report: dict[str, Any] = {"bench": "pipeline", "config": config, "cpus": os.cpu_count(),
+                              "load_average_1m_at_start": round(os.getloadavg()[0], 2)}
+
+    local = run_local(spec, args.local_steps, device)
+    report["local"] = local
+    report["local_samples_per_s"] = round(local["samples_per_s"], 3)
+
+    torch.set_num_threads(1)  # the wire measurement's stage peers share this process
+    wire = measure_wire(raw, list(args.codecs), args.wire_steps)
+    report["wire_bytes_per_sample"] = {c: round(w["bytes_per_sample"], 1) for c, w in wire.items()}
+    if "none" in wire:
+        report["wire_ratio_to_none"] = {c: round(w["bytes_per_sample"] / wire["none"]["bytes_per_sample"], 4)
+                                        for c, w in wire.items()}
+    report["wire_method"] = ("TCP_INFO bytes_acked + bytes_received of an in-process trainer's loopback "
+                             "connections to one StageService per stage, hello excluded; "
+                             f"{args.wire_steps} steps per codec, compute RPCs and stage.info polls")
+
+    with tempfile.TemporaryDirectory(prefix="swarmd-pipeline-") as tmp:
+        try:
+            run = run_swarm(raw, args, Path(tmp))
+        except (SwarmError, ControlError, DaemonUnavailable, TimeoutError) as exc:
+            report["error"] = f"swarm: {type(exc).__name__}: {exc}"
+            return report
+    gs = spec.batch.global_samples
+    no_faults = run.window("no_faults", gs)
+    report["swarm"] = {**no_faults, "peers": args.stages * args.peers_per_stage, "trainers": args.trainers,
+                       "startup_s": run.startup_s, "job_state": run.job_state}
+    report["swarm_samples_per_s"] = round(no_faults["samples_per_s"], 3)
+    report["swarm_to_local_ratio"] = round(no_faults["samples_per_s"] / local["samples_per_s"], 4)
+    if "faults" in run.windows:
+        faults = run.window("faults", gs)
+        rejoins = [k.rejoin_s for k in run.kills if k.rejoin_s is not None]
+        report["faults"] = {
+            **faults, "preemptions": len(run.kills), "kill_every_s": args.kill_every,
+            "ratio_to_no_faults": (round(faults["samples_per_s"] / no_faults["samples_per_s"], 4)
+                                   if no_faults["samples_per_s"] > 0 else None),
+            "rejoined": len(rejoins), "mean_rejoin_s": round(sum(rejoins) / len(rejoins), 2) if rejoins else None,
+            "skipped_ticks": run.skipped_ticks,
+            "victims": [{"peer": k.victim, "stage": k.stage, "rejoin_s": k.rejoin_s and round(k.rejoin_s, 2)}
+                        for k in run.kills],
+        }
+    report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return report
+
+
+def _codecs(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in CODECS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown codec(s) {unknown or text!r}; known: {', '.join(CODECS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_argument_group("the job (the same spec on every side)")
+    size.add_argument("--stages", type=int, default=4)
+    size.add_argument("--d-model", type=int, default=128)
+    size.add_argument("--n-heads", type=int, default=4)
+    size.add_argument("--layers-per-stage", type=int, default=1)
+    size.add_argument("--seq-len", type=int, default=128)
+    size.add_argument("--global-samples", type=int, default=32, help="samples per optimizer step")
+    size.add_argument("--microbatch-samples", type=int, default=4)
+    size.add_argument("--in-flight", type=int, default=4, help="microbatches in flight per trainer")
+    size.add_argument("--codec", default="fp16+lz4", choices=CODECS, help="the swarm's wire codec (both directions)")
+    size.add_argument("--seed", type=int, default=0, help="init, data order and which peers get killed")
+    swarm = p.add_argument_group("the swarm")
+    swarm.add_argument("--peers-per-stage", type=int, default=2)
+    swarm.add_argument("--trainers", type=int, default=1, help="trainer shards in the submitting daemon")
+    swarm.add_argument("--warmup-steps", type=int, default=5, help="steps committed before the first window")
+    swarm.add_argument("--duration", type=float, default=60.0, help="seconds of the no-fault window")
+    swarm.add_argument("--fault-duration", type=float, default=80.0, help="seconds of the fault window; 0: none")
+    swarm.add_argument("--kill-every", type=float, default=20.0, help="seconds between SIGKILLs")
+    swarm.add_argument("--timeout", type=float, default=600.0, help="give up waiting for the warm-up steps")
+    swarm.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: the daemons' and the local run's")
+    other = p.add_argument_group("local run and wire bytes")
+    other.add_argument("--local-steps", type=int, default=20, help="timed steps of the one-process run")
+    other.add_argument("--local-threads", type=int, default=1,
+                       help="its torch threads (default 1, as each daemon's stage; 0: torch's default)")
+    other.add_argument("--wire-steps", type=int, default=2, help="steps per codec of the wire measurement")
+    other.add_argument("--codecs", type=_codecs, default=DEFAULT_CODECS, help="comma-separated")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every bad flag is refused here, before a process starts or a step is taken."""
+    for name in ("stages", "d_model", "n_heads", "layers_per_stage", "seq_len", "global_samples",
+                 "microbatch_samples", "in_flight", "peers_per_stage", "trainers", "local_steps", "wire_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("warmup_steps", "local_threads"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
+    if args.duration <= 0 or args.fault_duration < 0 or args.kill_every <= 0 or args.timeout <= 0:
+        parser.error("--duration, --kill-every and --timeout must be positive, --fault-duration at least 0")
+    if args.fault_duration > 0 and args.peers_per_stage < 2:
+        parser.error("faults need --peers-per-stage >= 2: a stage whose only peer dies loses its parameters")
+    if args.trainers > args.global_samples // args.microbatch_samples:
+        parser.error("--trainers cannot exceed the microbatches per step (global / microbatch samples)")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        parser.error(f"--device {args.device}: needs a CUDA device and a CUDA build of torch (or use cpu)")
+    try:
+        JobSpec.from_dict(job_dict(args, SWARM_STEPS))
+    except ValueError as exc:
+        parser.error(f"the job these flags describe is invalid: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    install_signal_handlers()
+    result = bench(args)
+    sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

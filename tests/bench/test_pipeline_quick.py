@@ -1,0 +1,142 @@
+"""bench/pipeline.py at its smallest size, run for real, and its helpers on known inputs.
+
+The quick run starts five real `swarmd` processes (2 stages x 2 peers + the trainer's daemon),
+kills stage peers with SIGKILL and restarts them, and measures wire bytes over real loopback TCP.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
+QUICK = ["--stages", "2", "--peers-per-stage", "2", "--d-model", "32", "--n-heads", "2", "--seq-len", "16",
+         "--global-samples", "8", "--microbatch-samples", "2", "--local-steps", "5", "--wire-steps", "1",
+         "--warmup-steps", "2", "--duration", "6", "--fault-duration", "10", "--kill-every", "4",
+         "--timeout", "90"]
+#: The quick run takes about 45 s on a busy 2-core machine (most of it starting daemons).
+QUICK_TIMEOUT_S = 170
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("swarmd_bench_pipeline", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+pb = _load()
+
+
+def live_processes_mentioning(text: str) -> list[int]:
+    """Pids (not ours, not zombies) whose command line contains `text`: the bench's daemons all have
+    their state dir, under the run's TMPDIR, on theirs."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_quick_run_reports_sane_figures(tmp_path):
+    """1. Run the bench at its smallest size: 2 stages x 2 peers, a 6 s no-fault window, a 10 s
+          fault window with a SIGKILL + restart every 4 s, wire bytes for every codec.
+       Expected: exit 0 and one JSON object with positive rates, ratios above 0, at least one
+       preemption, wire bytes ordered int8 < fp16 < none (fp16+lz4 and lz4 no larger than what they
+       compress), the config it ran; and no swarmd process of the run is left afterwards."""
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, str(SCRIPT), *QUICK], capture_output=True, text=True,
+                         timeout=QUICK_TIMEOUT_S, env={**os.environ, "TMPDIR": str(tmp_path)})
+    elapsed = time.monotonic() - started
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout
+    report = json.loads(lines[0])
+    print(f"quick pipeline bench in {elapsed:.0f} s: local {report['local_samples_per_s']:.1f}, swarm "
+          f"{report['swarm_samples_per_s']:.1f}, faults {report['faults']['samples_per_s']:.1f} samples/s, "
+          f"{report['faults']['preemptions']} preemptions; bytes/sample {report['wire_bytes_per_sample']}")
+
+    assert report["local_samples_per_s"] > 0 and report["swarm_samples_per_s"] > 0
+    assert report["swarm_to_local_ratio"] == pytest.approx(
+        report["swarm_samples_per_s"] / report["local_samples_per_s"], rel=1e-2)
+    faults = report["faults"]
+    assert faults["samples_per_s"] > 0 and faults["ratio_to_no_faults"] > 0
+    assert faults["preemptions"] >= 1 and faults["rejoined"] >= 1 and faults["mean_rejoin_s"] > 0
+    assert len(faults["victims"]) == faults["preemptions"]
+    assert report["swarm"]["job_state"] == "running" and report["swarm"]["peers"] == 4
+
+    wire = report["wire_bytes_per_sample"]
+    assert set(wire) == {"none", "fp16", "lz4", "fp16+lz4", "int8"}
+    assert 0 < wire["int8"] < wire["fp16"] < wire["none"]
+    assert wire["lz4"] <= wire["none"] * 1.01 and wire["fp16+lz4"] <= wire["fp16"] * 1.01
+    # Per sample, at least the activations that must cross: stage 0's output and stage 1's input
+    # gradient, fp32 (B=1 row of T x C), on top of token ids.
+    assert wire["none"] > 2 * 16 * 32 * 4
+
+    config = report["config"]
+    assert (config["stages"], config["peers_per_stage"], config["d_model"], config["kill_every"]) == (2, 2, 32, 4.0)
+    assert live_processes_mentioning(str(tmp_path)) == []
+
+
+def test_windowed_rate_counts_steps_committed_inside_the_window():
+    """Step events at known times: the rate is (committed at end - committed at start) x batch / length."""
+    run = pb.SwarmRun(events=[{"kind": "step", "ts": 10.0 + i, "step": i + 1} for i in range(20)]
+                      + [{"kind": "info", "ts": 12.5, "step": 99}])
+    run.windows["w"] = (12.5, 17.5)  # steps 3 (ts 12) and 8 (ts 17) committed by then
+    got = run.window("w", 8)
+    assert got["steps"] == 5 and got["samples_per_s"] == pytest.approx(5 * 8 / 5.0)
+    assert run.committed_by(0.0) == 0
+
+
+def test_socket_bytes_counts_what_the_kernel_carried():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with socket.create_connection(server.getsockname()) as client:
+            peer, _ = server.accept()
+            with peer:
+                before = pb.socket_bytes(client)
+                client.sendall(b"x" * 100_000)
+                got = 0
+                while got < 100_000:
+                    got += len(peer.recv(1 << 20))
+                peer.sendall(b"y" * 777)
+                got = 0
+                while got < 777:
+                    got += len(client.recv(1 << 20))
+                deadline = time.monotonic() + 10
+                while pb.socket_bytes(client) - before < 100_777 and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the last ACK may trail the reply
+                assert pb.socket_bytes(client) - before == 100_777
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "0"], "--stages must be at least 1"),
+    (["--global-samples", "10", "--microbatch-samples", "4"], "the job these flags describe is invalid"),
+    (["--peers-per-stage", "1"], "faults need --peers-per-stage >= 2"),
+    (["--kill-every", "0"], "must be positive"),
+    (["--trainers", "9"], "--trainers cannot exceed"),
+    (["--codecs", "none,zstd"], "unknown codec"),
+])
+def test_bad_flags_are_refused_before_any_work(argv, message, capsys):
+    parser = pb.build_parser()
+    with pytest.raises(SystemExit) as exc:
+        pb.check_args(parser, parser.parse_args(argv))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
