@@ -325,6 +325,50 @@ class JobsSection:
 
 
 @dataclass(frozen=True)
+class RebalanceSection:
+    """Adaptive rebalancing (docs/rebalancing.md): the load gossip and the periodic move check that
+    every daemon runs for each job it serves a stage of. Defaults are the ones `bench/rebalance.py`
+    chose; short periods are for tests and demos."""
+
+    enabled: bool = setting(
+        True, BOOL, "gossip load and move to the bottleneck stage; off pins served stages where job.serve put them",
+    )
+    period_s: float = setting(
+        300.0, _float_kind(0.1),
+        "seconds between a peer's move checks (the paper's T); a gap must outlive part of a period "
+        "before a state download is spent on it",
+    )
+    jitter: float = setting(
+        0.5, _float_kind(0.0), "each period is scaled by a factor in [1 - jitter, 1 + jitter] so checks do not align",
+    )
+    confirm_after_s: float = setting(
+        10.0, _float_kind(0.01),
+        "a move is taken only when a second check this much later confirms it: time for fresh gossip",
+    )
+    margin: float = setting(
+        0.01, _float_kind(0.0), "a move must raise the predicted pipeline throughput by more than this fraction",
+    )
+    max_moves: int = setting(256, _int_kind(1), "moves one swarm-wide plan may hold; bounds a plan's cost")
+    gossip_interval_s: float = setting(
+        5.0, _float_kind(0.05), "seconds between gossip rounds: load entries reach hundreds of peers in a few rounds",
+    )
+    gossip_fanout: int = setting(3, _int_kind(1), "peers exchanged with per gossip round (push-pull)")
+    gossip_timeout_s: float = setting(
+        3.0, _float_kind(0.05), "one gossip exchange; a slower partner is skipped for the round and backed off",
+    )
+    membership_ttl_s: float = setting(
+        15.0, _float_kind(0.05),
+        "how long the gossip reuses the DHT's list of a job's peers (one lookup per stage); entries of "
+        "peers not on it are refused",
+    )
+    drain_timeout_s: float = setting(
+        30.0, _float_kind(0.0),
+        "a moving peer waits this long for its queued work to finish before leaving its stage anyway "
+        "(what is still queued is refused and re-routed by the trainers)",
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a daemon needs, passed down as one object."""
 
@@ -335,6 +379,7 @@ class Config:
     log: LogSection = field(default_factory=LogSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     jobs: JobsSection = field(default_factory=JobsSection)
+    rebalance: RebalanceSection = field(default_factory=RebalanceSection)
     #: The DHT's own settings (swarmd.dht.config.DHTConfig, explained in docs/dht.md): its fields
     #: are taken as they are, their kinds read off their defaults, so a new DHT limit is
     #: configurable here without being declared twice.

@@ -26,6 +26,7 @@ from swarmd import config as configuration
 from swarmd import control, liveness, logs, metrics, notify
 from swarmd.jobs import JobRegistry
 from swarmd.jobs.directory import DHTStageDirectory
+from swarmd.jobs.rebalancing import RebalanceSettings, Rebalancing
 from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
 from swarmd.stage.limits import StageLimits
@@ -130,6 +131,7 @@ class Daemon:
         self.job_registry: JobRegistry | None = None
         self.serving: Serving | None = None
         self.training: Training | None = None
+        self.rebalancing: Rebalancing | None = None
         self.pool: Pool | None = None
         self.router: metrics.InstrumentedRouter | None = None  # the peer-facing methods (DHT, later stages)
         self.book = liveness.PeerBook(config.peers.liveness_window_s, config.peers.max_peers_reported)
@@ -206,6 +208,16 @@ class Daemon:
         closers.append(("served stages", self.serving.close))
         self.training = Training(self.pool, directory)
         closers.append(("trainers", self.training.close))
+        try:
+            settings = RebalanceSettings.from_section(cfg.rebalance)
+        except ValueError as exc:
+            raise StartupError(EXIT_CONFIG, f"[rebalance]: {exc}") from None
+        # Closed first of the job parts: a move under way is undone before its stages stop.
+        self.rebalancing = Rebalancing(self.serving, self.identity, router, self.pool, directory, settings,
+                                       self.metrics)
+        self.rebalancing.start()
+        closers.append(("rebalancing", self.rebalancing.close))
+        self.metrics.rebalance_jobs.set_function(lambda: len(self.rebalancing.jobs))
         self.metrics.peers_alive.set_function(lambda: self.book.count_alive(time.monotonic()))
 
         # 3. control API
@@ -450,6 +462,7 @@ class Daemon:
             "peers": {"known": len(self.peers()) - 1, "alive": self.book.count_alive(now)},
             "dht": {"contacts": len(self.dht.contacts()) if self.dht else 0},
             "serving": {"stages": self.serving.stages() if self.serving else []},
+            "rebalance": self.rebalancing.status() if self.rebalancing else None,
             "draining": self.draining,
         }
 

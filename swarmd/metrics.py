@@ -61,6 +61,16 @@ class Metrics:
         self.dht_gets = Counter(
             "swarmd_dht_gets_total", "DHT gets asked through the control API, by outcome.", ["outcome"], registry=r,
         )
+        self.rebalance_moves = Counter(
+            "swarmd_rebalance_moves_total", "Rebalancing moves of a served stage to another, by outcome.",
+            ["outcome"], registry=r,
+        )
+        self.rebalance_moving_seconds = Counter(
+            "swarmd_rebalance_moving_seconds_total", "Wall time spent in rebalancing moves (drain and state "
+            "download), failed ones included.", registry=r,
+        )
+        self.rebalance_jobs = Gauge("swarmd_rebalance_jobs", "Jobs this daemon gossips load and checks moves for.",
+                                    registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,13 +7,24 @@ draining peer at their next directory refresh rather than at the record's expiry
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmd.dht.errors import DHTError
 from swarmd.jobs.directory import announcement_value, stage_key
+from swarmd.jobs.moving import JOINING, MOVES_KEPT, MoveRecord, Moving, drain, serving_peers
+from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage.limits import StageLimits
 from swarmd.stage.service import StageService
+from swarmd.stage.state import StateError
+from transport.errors import RpcError, TransportError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +40,8 @@ class Serving:
         self.peer_id, self.address, self.device = peer_id, address, device
         self.state_dir, self.limits, self.max_stages = state_dir, limits, max_stages
         self.served: dict[tuple[bytes, int], Served] = {}
+        self.moving: dict[bytes, Moving] = {}  # job id -> the rebalancing move under way
+        self.moves: collections.deque[MoveRecord] = collections.deque(maxlen=MOVES_KEPT)
 
     async def serve(self, spec: Any, job_id: bytes, stage: int) -> StageService:
         """Join `stage` of the job (download state from a mate, else a checkpoint, else fresh init)."""
@@ -44,6 +57,82 @@ class Serving:
                                 lambda: announcement_value(self.address, service.announcement()))
         self.served[(job_id, stage)] = Served(service, ann)
         return service
+
+    async def move(self, job_id: bytes, from_stage: int, to_stage: int, *, drain_timeout_s: float = 30.0) -> MoveRecord:
+        """Serve `to_stage` of the job instead of `from_stage` (rebalancing), losing no sample.
+
+        Drain the old stage (`swarmd.jobs.moving.drain`: no new work, queued work finished, what it
+        accumulated re-sent by the trainers), join the new one by downloading a live mate's state,
+        announce it, then withdraw and stop the old one. Any failure raises `MoveFailed` with the
+        old stage serving again; a cancelled move is undone the same way.
+        """
+        old = self.served.get((job_id, from_stage))
+        if old is None:
+            raise MoveFailed(f"not serving stage {from_stage} of job {job_id.hex()[:16]}")
+        stages = old.service.spec.pipeline.stages
+        if not 0 <= to_stage < stages or to_stage == from_stage:
+            raise MoveFailed(f"no move from stage {from_stage} to stage {to_stage} of a {stages}-stage pipeline")
+        if (job_id, to_stage) in self.served or job_id in self.moving:
+            raise MoveFailed(f"already serving stage {to_stage}, or already moving, in job {job_id.hex()[:16]}")
+        try:
+            stays = await serving_peers(self.directory, job_id, from_stage, self.peer_id)
+            mates = await serving_peers(self.directory, job_id, to_stage, self.peer_id)
+        except (DHTError, TransportError, OSError) as exc:
+            raise MoveFailed(f"the stage directory did not answer: {exc}") from exc
+        if not stays:
+            raise MoveFailed(f"this peer is the only one serving stage {from_stage}: moving would empty it")
+        if not mates:
+            raise MoveFailed(f"no live peer serves stage {to_stage} to download its state from")
+        moving = self.moving[job_id] = Moving(from_stage, to_stage, old.service.executor.samples_per_s)
+        started = time.monotonic()
+        drained_at = started
+        key = stage_key(job_id, from_stage)
+        new: StageService | None = None
+        try:
+            old.announcement = self.dht.announce(key, old.announcement.value_fn)  # say "draining" now
+            if not await drain(old.service, drain_timeout_s):
+                log.warning("stage %d: work still queued after %g s of draining; moving anyway", from_stage,
+                            drain_timeout_s)
+            drained_at = time.monotonic()
+            moving.phase = JOINING
+            new = StageService(old.service.spec, job_id, to_stage, self.peer_id, self.router, self.pool,
+                               self.directory, address=self.address, device=self.device, limits=self.limits,
+                               state_dir=self.state_dir)
+            try:
+                await new.start()
+            except (TransportError, RpcError, StateError, OSError, ValueError) as exc:
+                raise MoveFailed(f"stage {to_stage} did not start: {exc}") from exc
+            behind = min(m.step for m in mates)
+            if new.committed < behind:
+                raise MoveFailed(f"no mate of stage {to_stage} gave its state (at step {new.committed}, "
+                                 f"mates at {behind}+)")
+            ann = self.dht.announce(stage_key(job_id, to_stage),
+                                    lambda: announcement_value(self.address, new.announcement()))
+            self.served[(job_id, to_stage)] = Served(new, ann)
+            del self.served[(job_id, from_stage)]
+        except BaseException as exc:
+            if new is not None and (job_id, to_stage) not in self.served:
+                await asyncio.shield(new.stop())
+            if old.service.state == "draining":
+                old.service.state = "serving"  # behind its mates now: its sync catches up by download
+                old.announcement = self.dht.announce(key, old.announcement.value_fn)
+            total = time.monotonic() - started
+            self.moves.append(MoveRecord(job_id.hex(), from_stage, to_stage, drained_at - started,
+                                         total - (drained_at - started), total, -1, str(exc) or type(exc).__name__))
+            if isinstance(exc, (DHTError, TransportError, RpcError, StateError, OSError)):
+                raise MoveFailed(f"moving to stage {to_stage}: {exc}") from exc
+            raise
+        finally:
+            del self.moving[job_id]
+        await self.dht.withdraw(old.announcement)
+        await old.service.stop()
+        total = time.monotonic() - started
+        record = MoveRecord(job_id.hex(), from_stage, to_stage, drained_at - started, total - (drained_at - started),
+                            total, new.committed)
+        self.moves.append(record)
+        log.info("moved from stage %d to stage %d of job %s in %.1f s (%.1f s draining), at step %d", from_stage,
+                 to_stage, job_id.hex()[:16], total, record.drain_s, new.committed)
+        return record
 
     def stages(self) -> list[str]:
         return [f"{job_id.hex()[:16]}/{stage}" for job_id, stage in sorted(self.served)]

@@ -1,0 +1,157 @@
+"""Real daemons rebalance: 3 stages, 5 peers starting 3/1/1, the lone stage-2 peer held to a tenth
+of a core. Within two short periods a stage-0 peer moves to stage 2, the job's samples/s rises, and
+training goes on with every step whole (each stage's step counts exactly the global batch).
+
+Speeds are real: each stage daemon runs under a CFS quota (conftest.CpuQuotas), not a mock. The
+batch is large next to the model so that compute, not the stage-wide all-reduce a second stage-mate
+brings, is what the quota limits (with 16 samples of 32 tokens the move *halved* the rate: the slow
+peer's share of each round cost more than the compute it gave away).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from swarmd.exitcodes import EXIT_OK
+
+STEPS = 1000  # more than the test waits for: it stops the swarm itself
+GLOBAL, MICRO = 64, 8
+SPEC = f"""name = "rebalance"
+seed = 5
+steps = {STEPS}
+[model]
+arch = "transformer-lm"
+d_model = 64
+n_heads = 2
+layers_per_stage = 2
+vocab = 256
+[data]
+files = ["{{data}}"]
+seq_len = 64
+[batch]
+global_samples = {GLOBAL}
+microbatch_samples = {MICRO}
+[optim]
+name = "sgd"
+lr = 0.05
+schedule = "constant"
+[pipeline]
+stages = 3
+"""
+PERIOD_S, JITTER, CONFIRM_S = 8.0, 0.5, 2.0
+REBALANCE = {
+    "SWARMD_REBALANCE_PERIOD_S": str(PERIOD_S), "SWARMD_REBALANCE_JITTER": str(JITTER),
+    "SWARMD_REBALANCE_CONFIRM_AFTER_S": str(CONFIRM_S), "SWARMD_REBALANCE_GOSSIP_INTERVAL_S": "1",
+    "SWARMD_REBALANCE_MEMBERSHIP_TTL_S": "2",
+    # 3x is what the move buys here; a quarter keeps noisy speed readings from adding moves of a few %.
+    "SWARMD_REBALANCE_MARGIN": "0.25",
+}
+FAST_CORES, SLOW_CORES = 0.4, 0.1
+#: Steps averaged for each throughput figure (after warm-up, and after the move settled).
+WINDOW = 5
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.5)
+
+
+def step_events(daemon, job_id: str) -> list[dict]:
+    return [e for e in daemon.client.logs(job_id) if e["kind"] == "step"]
+
+
+def layout_of(daemon, job_id: str) -> list[int]:
+    """Serving peers per stage, as the DHT directory tells `daemon`."""
+    stages = daemon.client.job(job_id)["stages"]
+    print("layout:", [[p["state"] for p in s["peers"]] for s in stages])
+    return [sum(p["state"] == "serving" for p in s["peers"]) for s in stages]
+
+
+def samples_per_s(events: list[dict]) -> float:
+    """Samples committed per second over consecutive step events (first one only starts the clock)."""
+    return GLOBAL * (len(events) - 1) / (events[-1]["ts"] - events[0]["ts"])
+
+
+def moves_of(daemon) -> list[dict]:
+    return [m for m in daemon.client.status()["rebalance"]["moves"] if not m["error"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_peer_moves_to_the_bottleneck_and_throughput_rises(swarm, swarm_root: Path, swarmctl, cpu_quotas) -> None:
+    data = swarm_root / "rebalance.txt"
+    data.write_text(Path(json.__file__).read_text() * 4)
+    spec_path = swarm_root / "rebalance.toml"
+    spec_path.write_text(SPEC.format(data=data))
+
+    trainer = swarm.start("trainer", env=REBALANCE)
+    boot = trainer.status["announce"]
+    with ThreadPoolExecutor(5) as starting:
+        peers = list(starting.map(lambda i: swarm.start(f"p{i}", "--bootstrap", boot, env=REBALANCE), range(5)))
+    job_id = json.loads(swarmctl("--socket", str(trainer.socket), "--json", "submit", "--trainers", "0",
+                                 str(spec_path)).stdout)["job"]
+    layout = [0, 0, 0, 1, 2]
+    for i in (0, 3, 4, 1, 2):  # each stage's first peer starts it; p1 and p2 join stage 0 by download
+        result = swarmctl("--socket", str(peers[i].socket), "serve", job_id, "--stage", str(layout[i]))
+        assert result.returncode == EXIT_OK, result.stderr
+    wait_for(lambda: layout_of(trainer, job_id) == [3, 1, 1], 120, "the 3/1/1 layout in the directory")
+    for i, peer in enumerate(peers):
+        cpu_quotas.limit(peer.proc.pid, f"p{i}", SLOW_CORES if layout[i] == 2 else FAST_CORES)
+
+    assert swarmctl("--socket", str(trainer.socket), "train", job_id, "--data", str(data)).returncode == EXIT_OK
+    wait_for(lambda: len(step_events(trainer, job_id)) >= 2, 180, "training to commit two steps")
+    trained_at = time.time()
+
+    # Two periods at their longest, the confirming check, and the drain and download of the move
+    # itself; the generous rest is for a loaded machine (gossip rounds, directory refreshes).
+    budget = 2 * PERIOD_S * (1 + JITTER) + CONFIRM_S + 90
+    moved = wait_for(lambda: [(i, m) for i, p in enumerate(peers) for m in moves_of(p)], budget,
+                     "a peer to move")
+    (mover, move), = moved
+    move_started = move["at"] - move["total_s"]
+    print(f"p{mover} moved stage {move['source']} -> {move['target']} {move_started - trained_at:.1f} s after "
+          f"training began (period {PERIOD_S:g} s): {move['total_s']:.1f} s moving, {move['drain_s']:.1f} s of "
+          f"it draining, joined at step {move['step']}")
+    assert (layout[mover], move["target"]) == (0, 2)
+    status = peers[mover].client.status()["rebalance"]
+    assert status["jobs"][0]["moves"] == 1 and status["jobs"][0]["moving_s"] >= move["total_s"] * 0.9
+    metrics_job = status["jobs"][0]
+    print(f"mover status: {metrics_job}")
+
+    wait_for(lambda: layout_of(trainer, job_id) == [2, 1, 2], 120, "the 2/1/2 layout in the directory")
+    wait_for(lambda: len([e for e in step_events(trainer, job_id) if e["ts"] > move["at"]]) >= WINDOW + 2, 300,
+             f"{WINDOW + 2} steps after the move")
+
+    events = step_events(trainer, job_id)
+    before = [e for e in events if e["ts"] < move_started][1:]  # the first step pays for connections
+    after = [e for e in events if e["ts"] > move["at"]][1:WINDOW + 2]
+    assert len(before) >= 3, f"only {len(before)} steps before the move: too few to measure"
+    before_rate, after_rate = samples_per_s(before[-WINDOW:]), samples_per_s(after)
+    print(f"samples/s: {before_rate:.1f} before the move ({len(before[-WINDOW:])} steps), "
+          f"{after_rate:.1f} after ({len(after)} steps): x{after_rate / before_rate:.2f}")
+    assert after_rate > 1.2 * before_rate
+
+    # No step lost or counted short: consecutive, and every stage's step holds the whole global
+    # batch (re-sent microbatches of the drained peer included, duplicates counted apart).
+    assert [e["step"] for e in events] == list(range(1, len(events) + 1))
+    known = 0
+    for event in events:
+        for samples, duplicates in zip(event["stage_samples"], event["duplicates"]):
+            if samples >= 0 and duplicates >= 0:  # -1: the stage's record was not read back in time
+                known += 1
+                assert samples - duplicates * MICRO == GLOBAL, event
+    assert known >= 0.9 * 3 * len(events), f"only {known} stage records of {3 * len(events)} read back"
+    resent = sum(e["retries"] for e in events)
+    print(f"{len(events)} steps, all whole; {resent} retried calls in all")
+    assert all(not p.client.status()["rebalance"]["moves"] or p is peers[mover] for p in peers), \
+        "exactly one peer moved"
