@@ -19,9 +19,11 @@ from swarmd.client import ControlError, DaemonUnavailable, SyncClient
 
 #: A daemon imports torch before it listens: seconds on a busy 2-core box.
 START_TIMEOUT_S = 90.0
-#: Fast discovery, so a second daemon finds the first one's records within a second or two.
+#: Fast discovery, so a second daemon finds the first one's records within a second or two. The
+#: tests pin stages by hand (`swarmctl serve`) unless they ask for automatic joining themselves.
 FAST = {"SWARMD_PEERS_PING_INTERVAL_S": "0.5", "SWARMD_PEERS_DISCOVERY_INTERVAL_S": "1",
-        "SWARMD_NETWORK_BOOTSTRAP_RETRY_INITIAL_S": "0.3", "SWARMD_NETWORK_BOOTSTRAP_RETRY_MAX_S": "1"}
+        "SWARMD_NETWORK_BOOTSTRAP_RETRY_INITIAL_S": "0.3", "SWARMD_NETWORK_BOOTSTRAP_RETRY_MAX_S": "1",
+        "SWARMD_JOBS_SERVE": "none", "SWARMD_JOBS_JOIN_INTERVAL_S": "0.5"}
 
 
 @dataclass

@@ -1,0 +1,182 @@
+"""Automatic joining: the daemon notices jobs in the DHT and serves a stage of each one it should.
+
+Every `jobs.join_interval_s` (jittered, so daemons started together do not decide together) the
+loop reads the `jobs` index (`JobRegistry.refresh`) and, for every listed job that `jobs.serve`
+admits, joins the stage with the least capacity: the rebalancer's own join rule
+(`choose_join_stage`), fed from the stages' DHT announcements. Capacity is the announced samples/s;
+a peer that has measured nothing yet counts at the job's median measured speed (1 when none is
+measured), so a stage with an idle new peer still ranks above a stage with none. A daemon takes one
+stage per job, and a second one only while some stage of the job has no peer at all: an empty stage
+stalls the whole job, which outweighs spreading. `jobs.max_stages` bounds it all.
+
+What the daemon serves is remembered (`RememberedStages`) and, after a restart, rejoined first,
+whatever `jobs.serve` says (a stage pinned by hand is remembered too): by download from a live mate,
+else from this daemon's checkpoint, as any join. A remembered job that is not in the index (gone,
+or cancelled by its submitter) is forgotten after `jobs.rejoin_wait_s`, the time a restarted
+daemon needs to find the swarm again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+from typing import Any
+
+from swarmd.jobs.directory import announcement_value, stage_key
+from swarmd.jobs.registry import FINAL_STATES, Job, JobRegistry
+from swarmd.jobs.remembered import Key, RememberedStages
+from swarmd.rebalance.policy import choose_join_stage
+from swarmd.rebalance.table import DRAINING, JOINING, SERVING, PeerLoad, StageTable
+from transport.identity import peer_id_of
+from transport.tasks import TaskSet
+
+log = logging.getLogger(__name__)
+
+#: How often the served set is compared with the file (a dict-key comparison; writes only on change).
+REMEMBER_CHECK_S = 0.5
+#: Announced peer states as the join rule counts them; anything else is not counted.
+STATES = {"serving": SERVING, "joining": JOINING, "draining": DRAINING, "stopping": DRAINING}
+
+
+def admits(rule: str | frozenset[str], job: Job) -> bool:
+    """Does `jobs.serve` cover `job`? A list names jobs or their submitters (public key or peer id, hex)."""
+    if rule == "all":
+        return True
+    if rule == "none":
+        return False
+    return bool({job.spec.name, job.submitter.hex(), peer_id_of(job.submitter).hex()} & rule)
+
+
+def capacity_table(stages: list[dict[str, Any]]) -> StageTable:
+    """The join rule's view of a job from its `stage_peers` announcements."""
+    measured = [p["samples_per_s"] for s in stages for p in s["peers"] if p["samples_per_s"] > 0]
+    unmeasured = statistics.median(measured) if measured else 1.0
+    table = StageTable(len(stages))
+    for s in stages:
+        for p in s["peers"]:
+            state = STATES.get(p["state"])
+            if state is not None:
+                # One row per (peer, stage): a daemon may serve two stages of a job.
+                row = bytes.fromhex(p["peer_id"]) + s["stage"].to_bytes(4, "big")
+                table.put(PeerLoad(row, s["stage"], p["samples_per_s"] or unmeasured, state))
+    return table
+
+
+class Joining:
+    def __init__(self, registry: JobRegistry, serving: Any, memory: RememberedStages, *, peer_id: bytes,
+                 serve: str | frozenset[str], max_stages: int, interval_s: float, rejoin_wait_s: float) -> None:
+        self.registry, self.serving, self.memory = registry, serving, memory
+        self.peer_id, self.rule, self.max_stages = peer_id, serve, max_stages
+        self.interval_s, self.rejoin_wait_s = interval_s, rejoin_wait_s
+        self.pending: dict[Key, float] = {}  # remembered, not rejoined yet -> monotonic deadline
+        self._saved: frozenset[Key] | None = None
+        self._random = random.Random()
+        self._tasks = TaskSet("joining")
+
+    def start(self) -> None:
+        self._tasks.spawn(self._run(), "automatic joining")
+
+    async def close(self) -> None:
+        await self._tasks.aclose("daemon stopping")
+
+    async def _run(self) -> None:
+        remembered = await asyncio.to_thread(self.memory.load)
+        self._saved = frozenset(remembered)
+        deadline = time.monotonic() + self.rejoin_wait_s
+        self.pending = {key: deadline for key in remembered}
+        if remembered:
+            log.info("rejoining %d remembered stage(s): %s", len(remembered),
+                     ", ".join(f"{job.hex()[:16]}/{stage}" for job, stage in remembered))
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._remember_forever(), name="remember served stages")
+            tasks.create_task(self._poll_forever(), name="poll jobs")
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception as exc:  # noqa: BLE001 - DHT reads fail in many ways; the next tick retries
+                log.warning("automatic joining: %s", exc)
+            # Sooner while remembered stages wait: a restarted daemon should be back quickly.
+            base = self.interval_s if not self.pending else min(self.interval_s, 1.0)
+            await asyncio.sleep(base * self._random.uniform(0.5, 1.5))
+
+    async def tick(self) -> None:
+        await self.registry.refresh()
+        await self._rejoin()
+        if self.rule == "none":
+            return
+        for job in list(self.registry.jobs.values()):
+            if (job.job_id in self.registry.listed and job.state not in FINAL_STATES and admits(self.rule, job)
+                    and len(self.serving.served) < self.max_stages):
+                await self._join(job)
+
+    async def _rejoin(self) -> None:
+        for key, deadline in list(self.pending.items()):
+            job_id, stage = key
+            job = self.registry.jobs.get(job_id)
+            if key in self.serving.served:
+                del self.pending[key]
+            elif job is not None and job_id in self.registry.listed and job.state != "cancelled":
+                if not 0 <= stage < job.spec.pipeline.stages:
+                    log.warning("forgetting stage %d of job %s: it has %d stages", stage, job.spec.name,
+                                job.spec.pipeline.stages)
+                    del self.pending[key]
+                    continue
+                if await self._serve(job, stage, "rejoined (remembered)"):
+                    del self.pending[key]
+            elif time.monotonic() > deadline:
+                log.warning("forgetting stage %d of job %s: not in the jobs index within %g s (gone or cancelled)",
+                            stage, job_id.hex()[:16], self.rejoin_wait_s)
+                del self.pending[key]
+
+    async def _join(self, job: Job) -> None:
+        stages = await self.registry.stage_peers(job)
+        mine = {stage for job_id, stage in self.serving.served if job_id == job.job_id}
+        mine |= {stage for job_id, stage in self.pending if job_id == job.job_id}
+        if mine and all(s["peers"] for s in stages):
+            return
+        stage = choose_join_stage(capacity_table(stages), me=self.peer_id)
+        if stage in mine:
+            return
+        await self._serve(job, stage, "joined")
+
+    async def _serve(self, job: Job, stage: int, how: str) -> bool:
+        # Say "joining" in the stage's record before the seconds a start takes: daemons deciding
+        # meanwhile count this peer (as the join rule's `expected`) instead of piling onto the same
+        # stage. Trainers and stage-mates use only "serving" peers. Serving's own announcement of
+        # the same record replaces this one once the stage serves.
+        if (job.job_id, stage) in self.serving.served:
+            return True  # pinned by hand meanwhile; announcing now would replace its record
+        intent = self.registry.dht.announce(stage_key(job.job_id, stage), lambda: announcement_value(
+            self.serving.address, {"samples_per_s": 0.0, "queue": 0, "step": 0, "state": "joining"}))
+        try:
+            await self.serving.serve(job.spec, job.job_id, stage)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.registry.dht.withdraw(intent))
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed join is logged and tried again next tick
+            log.warning("could not serve stage %d of job %s: %s", stage, job.spec.name, exc)
+            await self.registry.dht.withdraw(intent)
+            return False
+        log.info("%s stage %d of job %s (%s)", how, stage, job.spec.name, job.job_id.hex()[:16])
+        return True
+
+    async def _remember_forever(self) -> None:
+        while True:
+            await self.remember()
+            await asyncio.sleep(REMEMBER_CHECK_S)
+
+    async def remember(self) -> None:
+        """Write the served (and still pending) stages when they changed."""
+        now = frozenset(self.serving.served) | frozenset(self.pending)
+        if now != self._saved:
+            try:
+                await asyncio.to_thread(self.memory.save, set(now))
+            except OSError as exc:
+                log.warning("cannot write %s: %s", self.memory.path, exc)
+                return
+            self._saved = now
