@@ -87,7 +87,12 @@ def _typed(expected: type | tuple[type, ...], label: str, then: Callable[[Any], 
 
 def _number(low: float, cast: type) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
-        value = cast(value)
+        try:
+            value = cast(value)
+        except OverflowError:  # an integer past a float's range (~1.8e308)
+            raise ValueError(f"{str(value)[:20]}... is too large") from None
+        if value != value:
+            raise ValueError("must be a number, got nan")
         if value < low:
             raise ValueError(f"must be at least {low}, got {value}")
         return value
@@ -200,6 +205,38 @@ def _string_set_toml(value: Any) -> frozenset[str]:
 STRING_SET = Kind(
     "list of names", lambda t: frozenset(p.strip() for p in t.split(",") if p.strip()), _string_set_toml, sorted,
 )
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+OPTIONAL_PATH = Kind(
+    "PATH or empty", _optional_path, _typed(str, "a path string", _optional_path), lambda v: "" if v is None else str(v),
+)
+#: Bytes of a public key and of a peer id (SHA-256 of the key): an allow-list entry is either.
+KEY_BYTES = 32
+
+
+def _hex_key(text: str) -> bytes:
+    cleaned = text.strip()
+    try:
+        key = bytes.fromhex(cleaned)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"expected {2 * KEY_BYTES} hex digits (a public key or peer id), got {cleaned!r}")
+    return key
+
+
+def _hex_keys_toml(value: Any) -> frozenset[bytes]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of hex strings, got {value!r}")
+    return frozenset(_hex_key(v) for v in value)
+
+
+HEX_KEYS = Kind(
+    "list of hex keys", lambda t: frozenset(_hex_key(p) for p in t.split(",") if p.strip()), _hex_keys_toml,
+    lambda v: sorted(k.hex() for k in v),
+)
 DEVICE = Kind("auto|cpu|cuda|cuda:N", _device, _typed(str, "a string", _device))
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
@@ -259,6 +296,33 @@ class NetworkSection:
     )
     require_bootstrap_timeout_s: float = setting(
         30.0, _float_kind(0.1), "with require_bootstrap, how long to keep retrying before giving up",
+    )
+    swarm_key_file: Path | None = setting(
+        None, OPTIONAL_PATH,
+        "a private swarm's shared key (make one with `swarmctl keygen`); peers without it are dropped in "
+        "the hello; mode 0600 or the daemon refuses to start; empty = an open swarm", flag="--swarm-key-file",
+    )
+    encrypt: bool = setting(
+        False, BOOL,
+        "seal all peer traffic (ChaCha20-Poly1305); every peer of the swarm must agree; off on trusted networks",
+        flag="--encrypt",
+    )
+    rpc_rate_limit_per_s: float = setting(
+        1000.0, _float_kind(0.0),
+        "calls per second one peer may start here (past it: rate_limited); a trainer's steady rate is "
+        "tens to hundreds; 0 turns the limit off",
+    )
+    rpc_rate_limit_burst: int = setting(
+        256, _int_kind(1), "calls a peer may start at once after a quiet spell (a pipeline step's microbatches)",
+    )
+    rpc_rate_limit_peers: int = setting(
+        4096, _int_kind(1), "peers whose rate buckets are remembered; the least recently seen is forgotten",
+    )
+    max_unproven_per_source: int = setting(
+        16, _int_kind(1), "connections one host may hold in their hello (a slow-loris cap; NAT'd neighbours fit)",
+    )
+    max_unproven_connections: int = setting(
+        256, _int_kind(1), "connections in their hello from all hosts together (~10 MiB and 256 fds at most)",
     )
 
 
@@ -321,6 +385,11 @@ class JobsSection:
     )
     torch_threads: int = setting(
         1, _int_kind(1), "torch threads per served stage's compute workers; raise on a big CPU host",
+    )
+    accept_jobs_from: frozenset[bytes] = setting(
+        frozenset(), HEX_KEYS,
+        "submitters (public keys or peer ids, hex) whose jobs this daemon learns, serves and trains; "
+        "empty accepts every submitter of the swarm; jobs submitted here are always accepted",
     )
 
 
@@ -510,7 +579,11 @@ def read_file(path: Path) -> Layer:
             data = tomllib.load(handle)
     except OSError as exc:
         raise ConfigError(source, "", f"cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, "", f"not UTF-8 text (byte {exc.start}): TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    except ValueError as exc:  # tomllib's own limits, e.g. an integer of more than 4300 digits
         raise ConfigError(source, "", f"not valid TOML: {exc}") from None
     kinds, known_sections = _index(), {name for name, _ in sections()}
     layer: Layer = {}
@@ -636,4 +709,12 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + "".join(_TOML_ESCAPES.get(c) or _escaped_control(c) for c in str(value)) + '"'
+
+
+#: TOML basic strings need these escaped; every other control character (and DEL) as \uXXXX.
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _escaped_control(c: str) -> str:
+    return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c

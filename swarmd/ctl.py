@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 from swarmd.plot import add_plot_parser, plot_command
 from swarmd.client import DEFAULT_TIMEOUT_S, SOCKET_ENV, Client, ControlError, DaemonUnavailable, SyncClient
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+from swarmd.swarmkey import SwarmKeyError, generate
 
 
 def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -71,6 +72,11 @@ def parser() -> argparse.ArgumentParser:
     serve = command("serve", "serve a stage of a job (pin by hand)")
     serve.add_argument("job")
     serve.add_argument("--stage", type=int, metavar="I")
+    keygen = sub.add_parser("keygen", help="write a new swarm key file (private swarms; never overwrites)",
+                            description="Write a new swarm key (32 random bytes as hex, mode 0600) for "
+                                        "network.swarm_key_file; an existing file is never replaced.")
+    _common(keygen, suppress=True)
+    keygen.add_argument("path", type=Path, metavar="PATH")
     add_plot_parser(sub)
     return p
 
@@ -250,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plot":
             return plot_command(args)
+        if args.command == "keygen":
+            return _keygen(args)
         run_command(args)
     except ControlError as exc:
         _error(args, exc.code, exc.message)
@@ -259,6 +267,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
         return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    """Local work only: the daemon is not asked (it may not run yet, and must not see new keys)."""
+    try:
+        generate(args.path)
+    except SwarmKeyError as exc:
+        _error(args, "exists", str(exc))
+        return EXIT_CONFIG
+    except OSError as exc:
+        _error(args, "io", f"{args.path}: {exc.strerror or exc}")
+        return EXIT_CONFIG
+    _emit(args, {"path": str(args.path)},
+          lambda r: f"wrote a new swarm key to {r['path']} (mode 0600); copy it to every member and set "
+                    "network.swarm_key_file")
     return EXIT_OK
 
 

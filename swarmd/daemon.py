@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 from swarmd import config as configuration
-from swarmd import control, liveness, logs, metrics, notify
+from swarmd import control, liveness, logs, metrics, notify, swarmkey
 from swarmd.jobs import JobRegistry
 from swarmd.jobs.directory import DHTStageDirectory
 from swarmd.jobs.rebalancing import RebalanceSettings, Rebalancing
@@ -39,6 +39,7 @@ from swarmd.exitcodes import EXIT_BOOTSTRAP, EXIT_CONFIG, EXIT_FAILURE, EXIT_FOR
 from transport.config import RpcConfig
 from transport.identity import Identity
 from transport.pool import Pool
+from transport.traffic import Traffic
 from transport.rpc import RpcServer, new_event_loop
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,26 @@ def load_identity(state_dir: Path) -> Identity:
     if mode & 0o077:
         log.warning("%s is readable by others (mode %o): anyone who read it can impersonate this peer", path, mode)
     return identity
+
+
+def peer_rpc_config(net: configuration.NetworkSection, identity: Identity, traffic: Traffic) -> RpcConfig:
+    """The one RpcConfig of peer connections, for the server and the pool alike: a connection's two
+    ends must agree on the swarm key and on encryption, whichever of them dialled."""
+    swarm_key = None
+    if net.swarm_key_file is not None:
+        try:
+            swarm_key = swarmkey.load(net.swarm_key_file)
+        except swarmkey.SwarmKeyError as exc:
+            raise StartupError(EXIT_CONFIG, f"network.swarm_key_file: {exc}") from None
+    log.info("%s swarm%s, peer traffic %s, per-peer RPC limit %s", "private" if swarm_key else "open",
+             f" (key {net.swarm_key_file})" if swarm_key else "", "encrypted" if net.encrypt else "not encrypted",
+             f"{net.rpc_rate_limit_per_s:g}/s" if net.rpc_rate_limit_per_s else "off")
+    return RpcConfig(
+        identity=identity, swarm_key=swarm_key, encrypt=net.encrypt,
+        rate_limit_per_s=net.rpc_rate_limit_per_s or None, rate_limit_burst=net.rpc_rate_limit_burst,
+        rate_limit_peers=net.rpc_rate_limit_peers, max_unproven_per_source=net.max_unproven_per_source,
+        max_unproven_connections=net.max_unproven_connections, traffic=traffic,
+    )
 
 
 def announce_address(config: Config, bound_port: int) -> Address:
@@ -178,7 +199,7 @@ class Daemon:
 
         # 1. transport server: peers reach us here
         router = self.router = metrics.InstrumentedRouter(self.metrics, "peer")
-        rpc_config = RpcConfig(identity=self.identity)
+        rpc_config = peer_rpc_config(cfg.network, self.identity, self.metrics.traffic)
         try:
             server = await RpcServer.serve_tcp(router, cfg.network.listen.host, cfg.network.listen.port, config=rpc_config)
         except OSError as exc:
@@ -197,8 +218,9 @@ class Daemon:
         closers.append(("DHT node", self.dht.stop))
         self.metrics.dht_contacts.set_function(lambda: len(self.dht.contacts()))
         self.metrics.dht_stored_keys.set_function(lambda: len(self.dht.storage.keys()))
+        self.metrics.dht_lookups = self.dht.lookup_stats
         # Jobs publish through the DHT, so their announcements are withdrawn before the node stops.
-        self.job_registry = JobRegistry(self.dht, self.identity)
+        self.job_registry = JobRegistry(self.dht, self.identity, accept_from=cfg.jobs.accept_jobs_from)
         closers.append(("job announcements", self.job_registry.withdraw))
         directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s)
         self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,

@@ -14,9 +14,12 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from swarmd.config import Address
+from swarmd.dht.stats import LOOKUP_KINDS, LOOKUP_OUTCOMES, LookupStats
 from transport.message import Message, Request, Router
+from transport.traffic import Traffic
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,11 @@ class Metrics:
         self.dht_gets = Counter(
             "swarmd_dht_gets_total", "DHT gets asked through the control API, by outcome.", ["outcome"], registry=r,
         )
+        #: Counted by the transport on every peer connection: the daemon passes it in its RpcConfig.
+        self.traffic = Traffic()
+        #: Counted inside the DHT node; `None` until the node exists (its series then read 0).
+        self.dht_lookups: LookupStats | None = None
+        r.register(_Counted(self))
         self.rebalance_moves = Counter(
             "swarmd_rebalance_moves_total", "Rebalancing moves of a served stage to another, by outcome.",
             ["outcome"], registry=r,
@@ -74,6 +82,40 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Counted:
+    """Counters kept by parts that do not import prometheus_client (the transport, the DHT), read
+    at scrape time: counting stays a plain integer add on the hot path."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list:
+        return []  # the families are built at scrape time; nothing to check names against up front
+
+    def collect(self):
+        traffic = self._metrics.traffic
+        yield CounterMetricFamily("swarmd_transport_sent_bytes", "Bytes written to peer connections "
+                                  "(frame headers, hellos and sealed records included).", traffic.sent_bytes)
+        yield CounterMetricFamily("swarmd_transport_received_bytes", "Bytes read from peer connections.",
+                                  traffic.received_bytes)
+        stats = self._metrics.dht_lookups or LookupStats()
+        lookups = CounterMetricFamily("swarmd_dht_lookups", "Iterative DHT lookups this node ran, by kind "
+                                      "(find_node, find_value) and outcome.", labels=["kind", "outcome"])
+        for kind in LOOKUP_KINDS:
+            for outcome in LOOKUP_OUTCOMES:
+                lookups.add_metric([kind, outcome], stats.lookups[(kind, outcome)])
+        yield lookups
+        rpcs = CounterMetricFamily("swarmd_dht_lookup_rpcs", "Queries sent by DHT lookups, by kind.", labels=["kind"])
+        failed = CounterMetricFamily("swarmd_dht_lookup_failed_rpcs",
+                                     "Lookup queries that failed (timeout, refusal, bad reply), by kind.",
+                                     labels=["kind"])
+        for kind in LOOKUP_KINDS:
+            rpcs.add_metric([kind], stats.rpcs[kind])
+            failed.add_metric([kind], stats.failed_rpcs[kind])
+        yield rpcs
+        yield failed
 
 
 class InstrumentedRouter(Router):

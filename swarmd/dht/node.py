@@ -27,6 +27,7 @@ from .lookup import Lookup, LookupResult
 from .network import Caller, Network, Reply
 from .records import Record, check_record, key_id, namespace_of, sign_record
 from .routing import Contact, RoutingTable, distance
+from .stats import LookupStats
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class DHTNode:
         self.storage = Storage(config)
         #: Statistics of the most recent lookup (tests and benchmarks read it).
         self.last_lookup: LookupResult | None = None
+        #: Every lookup this node ran, by kind and outcome (the daemon's metrics read it).
+        self.lookup_stats = LookupStats()
         self._rng = random.Random(self.peer_id)
         self._backoff: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self._cache: dict[bytes, tuple[float, dict[bytes, Record]]] = {}
@@ -133,7 +136,7 @@ class DHTNode:
             reply = await self._call(peer_id, address, P.FIND_NODE, P.find_node_request(target))
             return P.parse_contacts(reply.meta, self.config)
 
-        result = await self._lookup(target, k, query)
+        result = await self._lookup("find_node", target, k, query)
         return [Contact(c.peer_id, c.address) for c in result.nearest]
 
     async def store(self, key: bytes, subkey: bytes, value: bytes, expiration: float) -> int:
@@ -193,13 +196,21 @@ class DHTNode:
 
     # ----- lookups -----
 
-    async def _lookup(self, target: bytes, k: int, query, enough=lambda: False) -> LookupResult:
+    async def _lookup(self, kind: str, target: bytes, k: int, query, enough=lambda: False) -> LookupResult:
         self.table.touch(target, self.clock.monotonic())
         lookup = Lookup(target, self.peer_id, k, self.config.alpha, self.config.lookup_patience, query,
                         self._backed_off, self._slow, enough)
         for c in self.table.nearest(target, 2 * k):
             lookup.add(c.peer_id, c.address, 1)
-        result = await lookup.run()
+        try:
+            result = await lookup.run()
+        except asyncio.CancelledError:
+            self.lookup_stats.ended(kind, "cancelled")
+            raise
+        except Exception:
+            self.lookup_stats.ended(kind, "error")
+            raise
+        self.lookup_stats.finished(kind, result)
         self.last_lookup = result
         return result
 
@@ -262,7 +273,7 @@ class DHTNode:
                 merge(records)
             return contacts
 
-        await self._lookup(key_id(key), cfg.k, query, enough)
+        await self._lookup("find_value", key_id(key), cfg.k, query, enough)
         wall = self.clock.time()
         result = {s: r for s, r in merged.items() if not r.is_tombstone and r.expiration > wall}
         if merged:

@@ -187,7 +187,7 @@ class JobSpec:
 def parse_toml(text: str) -> JobSpec:
     try:
         raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:  # TOMLDecodeError, or one of tomllib's limits (an int of over 4300 digits)
         raise SpecError("<toml>", str(exc)) from None
     return JobSpec.from_dict(raw)
 

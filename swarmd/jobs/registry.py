@@ -25,6 +25,7 @@ from swarmd.dht import dht_key
 from swarmd.jobs.access import AccessDenied, check_readable
 from swarmd.job import JobSpec, SpecError, resolve_sources
 from swarmd.job.data import Sources
+from transport.identity import peer_id_of
 
 #: Lifecycle: waiting (some stage has no peer, or no trainer runs yet), running, then one of the
 #: three final states.
@@ -36,6 +37,8 @@ MAX_EVENTS = 1000
 MAX_JOBS_PER_SUBMITTER = 64
 #: Data paths one submission may name.
 MAX_DATA_PATHS = 256
+#: Job ids remembered as refused by `accept_from` (so `find` can say why, and refresh skips them).
+MAX_REFUSED_JOBS = 1024
 
 
 class JobRequestError(Exception):
@@ -74,11 +77,19 @@ class Job:
 
 
 class JobRegistry:
-    """Submits, publishes and finds jobs; `dht` is a started `DHTNode`, `identity` signs specs."""
+    """Submits, publishes and finds jobs; `dht` is a started `DHTNode`, `identity` signs specs.
 
-    def __init__(self, dht: Any, identity: Any) -> None:
+    `accept_from` (config `jobs.accept_jobs_from`): public keys or peer ids of the submitters whose
+    published jobs this daemon learns; empty accepts all. A job from anyone else is never learned,
+    so it is never served or trained here; its spec is not even fetched. Jobs submitted through
+    this daemon are its own and always accepted (the control socket's admission guards them).
+    """
+
+    def __init__(self, dht: Any, identity: Any, *, accept_from: frozenset[bytes] = frozenset()) -> None:
         self.dht, self.identity = dht, identity
+        self.accept_from = accept_from
         self.jobs: dict[bytes, Job] = {}
+        self.refused: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # job id -> submitter
         self._announcements: list[Any] = []
         self._index = None
         self.listed: set[bytes] = set()  # job ids in the `jobs` index at the last refresh
@@ -174,13 +185,30 @@ class JobRegistry:
                 continue
             if not isinstance(ids, list):
                 continue
+            accepted = self.accepts(record.public_key)
             for job_id in ids[:MAX_JOBS_PER_SUBMITTER]:
-                if isinstance(job_id, bytes) and job_id not in self.jobs:
+                if not isinstance(job_id, bytes):
+                    continue
+                if not accepted:
+                    self._refuse(job_id, record.public_key)
+                    continue
+                if job_id not in self.jobs:
                     await self._learn(job_id, record.public_key)
-                known = self.jobs.get(job_id) if isinstance(job_id, bytes) else None
+                known = self.jobs.get(job_id)
                 if known is not None and known.submitter == record.public_key:
                     listed.add(job_id)
         self.listed = listed
+
+    def accepts(self, submitter: bytes) -> bool:
+        """Whether `jobs.accept_jobs_from` admits jobs signed by this public key."""
+        return (not self.accept_from or submitter == self.identity.public_key
+                or submitter in self.accept_from or peer_id_of(submitter) in self.accept_from)
+
+    def _refuse(self, job_id: bytes, submitter: bytes) -> None:
+        self.refused[job_id] = submitter
+        self.refused.move_to_end(job_id)
+        while len(self.refused) > MAX_REFUSED_JOBS:
+            self.refused.popitem(last=False)
 
     async def _learn(self, job_id: bytes, submitter: bytes) -> None:
         for record in (await self.dht.get(dht_key("job", job_id, "spec"))).values():
@@ -204,7 +232,17 @@ class JobRegistry:
                 return match
             if attempt == 0:
                 await self.refresh()
+        refused = self._refused_match(name_or_id)
+        if refused is not None:
+            raise JobRequestError("forbidden", f"job: {name_or_id} was submitted by peer {peer_id_of(refused).hex()}, "
+                                               "which this daemon's jobs.accept_jobs_from does not list")
         raise JobRequestError("not_found", f"job: no job {name_or_id!r} is known to this daemon or the DHT")
+
+    def _refused_match(self, name_or_id: str) -> bytes | None:
+        try:
+            return self.refused.get(bytes.fromhex(name_or_id))
+        except ValueError:
+            return None  # a name: refused specs are never fetched, so their names are unknown
 
     def _match(self, name_or_id: str) -> Job | None:
         try:

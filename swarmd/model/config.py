@@ -97,7 +97,10 @@ def parse_value(value: Any, hint: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"must be a number, got {_type_name(value)}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past a float's range (~1.8e308)
+            raise ConfigError(key, "is too large for a number") from None
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(key, f"must be a string, got {_type_name(value)}")

@@ -375,22 +375,6 @@ GOSSIP = Target(
 
 TINY_LM = (REPO / "examples" / "tiny-lm.toml").read_text()
 
-JOBSPEC_FLOAT_OVERFLOW = KnownBug(
-    name="jobspec-float-overflow",
-    owner_file="swarmd/model/config.py",
-    matches=raised_in(OverflowError, "swarmd/model/config.py"),
-    reproducer=b"T" + TINY_LM.replace("lr = 3e-3", "lr = 1" + "0" * 400).encode(),
-    summary="parse_value does float(value) on a TOML integer over ~1.8e308: OverflowError, not SpecError",
-)
-JOBSPEC_INT_DIGITS = KnownBug(
-    name="jobspec-toml-int-digits",
-    owner_file="swarmd/job/spec.py",
-    matches=raised_in(ValueError, "tomllib", "integer string conversion"),
-    reproducer=b"T" + TINY_LM.replace("steps = 200", "steps = 1" + "0" * 4300).encode(),
-    summary="tomllib raises a plain ValueError (not TOMLDecodeError) for an integer of over 4300 "
-            "digits; parse_toml only converts TOMLDecodeError into SpecError",
-)
-
 
 def run_jobspec(data: bytes) -> bool | None:
     """`T` + TOML text, or `M` + msgpack; whatever parses must survive its canonical round trip."""
@@ -420,7 +404,6 @@ JOBSPEC = Target(
     expected=(SpecError,),
     alloc_bound=_msgpack_bound,
     seeds=_jobspec_seeds,
-    known_bugs=(JOBSPEC_FLOAT_OVERFLOW, JOBSPEC_INT_DIGITS),
     description="swarmd.job.spec.parse_toml (TOML text) and JobSpec.from_msgpack (DHT bytes)",
 )
 
@@ -510,38 +493,6 @@ _CONFIG_DIR = Path(tempfile.mkdtemp(prefix="swarmd-fuzz-config-"))
 _CONFIG_ENV = {"STATE_DIRECTORY": str(_CONFIG_DIR / "state"), "RUNTIME_DIRECTORY": str(_CONFIG_DIR / "run")}
 SYSTEMD_TOML = (REPO / "systemd" / "swarmd.toml").read_text()
 
-CONFIG_FLOAT_OVERFLOW = KnownBug(
-    name="config-float-overflow",
-    owner_file="swarmd/config.py",
-    matches=raised_in(OverflowError, "swarmd/config.py"),
-    reproducer=b"[daemon]\ndrain_timeout_s = 1" + b"0" * 400 + b"\n",
-    summary="a float setting given a TOML integer over ~1.8e308: _number's float() raises OverflowError, "
-            "not ConfigError",
-)
-CONFIG_INT_DIGITS = KnownBug(
-    name="config-toml-int-digits",
-    owner_file="swarmd/config.py",
-    matches=raised_in(ValueError, "tomllib", "integer string conversion"),
-    reproducer=b"[dht]\nk = 1" + b"0" * 4300 + b"\n",
-    summary="tomllib's plain ValueError for an integer of over 4300 digits escapes read_file "
-            "(it converts only OSError and TOMLDecodeError)",
-)
-CONFIG_NOT_UTF8 = KnownBug(
-    name="config-not-utf8",
-    owner_file="swarmd/config.py",
-    matches=raised_in(UnicodeDecodeError, "tomllib"),
-    reproducer=b"\xff\n",
-    summary="a config file that is not UTF-8: tomllib.load's UnicodeDecodeError escapes read_file "
-            "(it converts only OSError and TOMLDecodeError)",
-)
-CONFIG_TO_TOML_ESCAPES = KnownBug(
-    name="config-to-toml-control-chars",
-    owner_file="swarmd/config.py",
-    matches=lambda exc: isinstance(exc, InvariantBroken) and "to_toml" in str(exc),
-    reproducer=b'[daemon]\nstate_dir = "a\\nb"\n',
-    summary="to_toml (--check-config) escapes only backslash and quote, so a path or namespace with a "
-            "control character prints as TOML that does not load back",
-)
 
 
 def _same(a: object, b: object) -> bool:
@@ -573,9 +524,20 @@ CONFIG = Target(
     expected=(daemon_config.ConfigError,),
     alloc_bound=_msgpack_bound,
     seeds=lambda: [SYSTEMD_TOML.encode(), b"", b"[network]\nbootstrap = [\"10.0.0.1:7420\", \"[::1]:1\"]\n"],
-    known_bugs=(CONFIG_FLOAT_OVERFLOW, CONFIG_INT_DIGITS, CONFIG_NOT_UTF8, CONFIG_TO_TOML_ESCAPES),
     description="swarmd.config.read_file + build + to_toml round trip (the daemon's TOML file)",
 )
 
 TARGETS: dict[str, Target] = {t.name: t for t in (FRAMES, CODEC, HANDSHAKE, DHT, GOSSIP, JOBSPEC, CONTROL, CONFIG)}
 KNOWN_BUGS: tuple[KnownBug, ...] = tuple(bug for t in TARGETS.values() for bug in t.known_bugs)
+
+#: Findings fixed at their root, kept as regression inputs: (name, target, the recorded input).
+#: Each must stay clean (test_fuzz_known_bugs.py); the general fuzz tests would only find them again by luck.
+FIXED_BUGS: tuple[tuple[str, str, bytes], ...] = (
+    ("jobspec-float-overflow", "jobspec", b"T" + TINY_LM.replace("lr = 3e-3", "lr = 1" + "0" * 400).encode()),
+    ("jobspec-toml-int-digits", "jobspec", b"T" + TINY_LM.replace("steps = 200", "steps = 1" + "0" * 4300).encode()),
+    ("config-float-overflow", "config", b"[daemon]\ndrain_timeout_s = 1" + b"0" * 400 + b"\n"),
+    ("config-toml-int-digits", "config", b"[dht]\nk = 1" + b"0" * 4300 + b"\n"),
+    ("config-not-utf8", "config", b"\xff\n"),
+    ("config-to-toml-control-chars", "config", b'[daemon]\nstate_dir = "a\\nb\\u007f\\u0001"\n'),
+    ("config-nan-setting", "config", b"[daemon]\ndrain_timeout_s = nan\n"),
+)

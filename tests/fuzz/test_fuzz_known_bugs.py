@@ -1,4 +1,5 @@
-"""One strict-xfail reproducer per bug the fuzzers found in someone else's module.
+"""One strict-xfail reproducer per bug the fuzzers found in someone else's module, and one
+regression test per bug fixed since (`FIXED_BUGS`).
 
 Each test feeds the exact recorded input to its target and asserts the oracle finds nothing. While
 the bug stands the test fails (xfail); once the owner fixes it, the test passes and strict=True turns
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from fuzz_oracle import check
-from fuzz_targets import KNOWN_BUGS, TARGETS
+from fuzz_targets import FIXED_BUGS, KNOWN_BUGS, TARGETS
 
 
 def _target_of(bug):
@@ -39,3 +40,10 @@ def test_known_bug_reproducer_matches_only_its_own_signature(bug) -> None:
     assert finding.known == bug.name
     for seed in target.seeds():
         assert check(target, seed)[0] is None
+
+
+@pytest.mark.parametrize("name,target,reproducer", FIXED_BUGS, ids=[bug[0] for bug in FIXED_BUGS])
+def test_fixed_bug_stays_fixed(name: str, target: str, reproducer: bytes) -> None:
+    """The recorded input now ends in the target's documented error (or parses), never a finding."""
+    finding, _, _ = check(TARGETS[target], reproducer)
+    assert finding is None, f"{name} is back: {finding.kind}:\n{finding.detail}"
