@@ -14,6 +14,7 @@ import math
 import os
 import struct
 import tempfile
+import tomllib
 from pathlib import Path
 
 import msgpack
@@ -31,6 +32,7 @@ from swarmd.dht.routing import Contact
 from swarmd.dht.storage import Storage
 from swarmd.job.errors import SpecError
 from swarmd.job.spec import JobSpec, parse_toml
+from swarmd.jobs.registry import JobRegistry
 from swarmd.rebalance.view import GossipView, LoadEntry, RebalanceError, ViewLimits, decode_entries, encode_entries
 from transport.codecs import CODECS, DTYPES, buffer_count, decode_tensor, encode_tensor
 from transport.errors import HandshakeError, MalformedFrame, ProtocolError, RpcError
@@ -410,8 +412,61 @@ JOBSPEC = Target(
 # ----------------------------------------------------------------------------------------- control
 
 
+#: Where job.submit seeds find their data: a token file the fuzzer's specs name relative to it.
+_JOB_DIR = Path(tempfile.mkdtemp(prefix="swarmd-fuzz-jobs-"))
+(_JOB_DIR / "t.bin").write_bytes(bytes(range(256)) * 8)
+_SUBMITTABLE = tomllib.loads(
+    'name = "m"\nsteps = 1\n[model]\narch = "transformer-lm"\nd_model = 8\nn_heads = 2\n'
+    '[data]\ntokens = "t.bin"\nseq_len = 4\n[batch]\nglobal_samples = 2\nmicrobatch_samples = 1\n')
+
+
+class _InstantDHT:
+    """What JobRegistry needs of a DHT node, answering at once: nothing published elsewhere."""
+
+    async def get(self, key: bytes, latest: bool = False) -> dict:
+        namespace_of(key)  # the registry promised the DHT a schema key
+        return {}
+
+    def announce(self, key: bytes, value_fn, **kwargs) -> object:
+        namespace_of(key)
+        value_fn()
+        return object()
+
+    async def withdraw(self, announcement: object) -> int:
+        return 0
+
+
+class _InstantServing:
+    async def serve(self, spec, job_id: bytes, stage: int) -> None:
+        if not 0 <= stage < spec.pipeline.stages:
+            raise InvariantBroken(f"job.serve passed stage {stage} of a {spec.pipeline.stages}-stage job")
+
+
+class _InstantTraining:
+    def __init__(self) -> None:
+        self.started: set[bytes] = set()
+
+    async def start(self, job, shards, of: int) -> None:
+        if not all(0 <= k < of for k in shards):
+            raise InvariantBroken(f"trainer shards {list(shards)} of {of}")
+        self.started.add(job.job_id)
+
+    def cancel(self, job) -> None:
+        self.started.discard(job.job_id)
+
+
 class _FakeDaemon:
-    """Answers at once (no suspension), so a handler runs to completion in one coroutine step."""
+    """Answers at once (no suspension), so a handler runs to completion in one coroutine step. The
+    job methods run against a real JobRegistry (fresh for every input, holding one submitted job
+    named "m") over an instant DHT."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.jobs = JobRegistry(_InstantDHT(), Identity.from_seed(b"fuzz-control-job-registry-seed-!"))
+        self.serving, self.training = _InstantServing(), _InstantTraining()
+        self.jobs.submit(_SUBMITTABLE, [], str(_JOB_DIR), (1, 0, 0))  # job "m", so job.* reach past find
 
     def status(self) -> dict:
         return {"peer_id": b"p" * 32}
@@ -421,17 +476,17 @@ class _FakeDaemon:
 
     async def dht_get(self, key: bytes) -> dict:
         namespace_of(key)  # the handler promised the DHT a schema key
-        return {"records": []}
+        return {}
 
     def request_drain(self, reason: str) -> dict:
         return {"draining": True}
 
 
+_DAEMON = _FakeDaemon()
 _CONTROL = Router()
-register_control(_CONTROL, _FakeDaemon())
-_CONTROL_METHODS = ("status", "peers", "dht.get", "drain")
-"""Fuzzed methods. The job.* handlers need the daemon's JobRegistry, still being written; they are
-skipped until a fake (or a real registry on a temp dir) can stand behind them."""
+register_control(_CONTROL, _DAEMON)
+_CONTROL_METHODS = ("status", "peers", "dht.get", "drain", "job.submit", "job.list", "job.get", "job.cancel",
+                    "job.logs", "job.serve", "job.train")
 _CALLER = RemoteInfo(peer_id=None, public_key=None, app={}, address="fuzz", peercred=(1, 0, 0))
 
 
@@ -453,9 +508,10 @@ def run_control(data: bytes) -> bool | None:
     if not isinstance(method, str) or not isinstance(meta, dict):
         return False  # the connection answers these itself (MalformedFrame / "data frame lacks its meta")
     entry = _CONTROL.lookup(method)
-    if entry is None or method not in _CONTROL_METHODS:
-        return False  # unknown_method is answered by the connection; job.* see _CONTROL_METHODS
+    if entry is None:
+        return False  # unknown_method is answered by the connection
     kind, handler = entry
+    _DAEMON.reset()
     request = Request(method, meta, [], None, _CALLER)
     if kind == "unary":
         _step(handler(request))
@@ -472,7 +528,14 @@ def control_input(method: str, meta: object) -> bytes:
 
 
 def _control_seeds() -> list[bytes]:
-    return [control_input(m, {}) for m in _CONTROL_METHODS] + [
+    job = {"job": "m"}
+    submit = {"spec": _SUBMITTABLE, "data": [], "base": str(_JOB_DIR), "trainers": 1}
+    return [control_input(m, {}) for m in ("status", "peers", "dht.get", "drain", "job.list")] + [
+        control_input("job.submit", submit), control_input("job.submit", {**submit, "trainers": 0}),
+        control_input("job.get", job), control_input("job.serve", {**job, "stage": 0}),
+        control_input("job.train", {**job, "data": [str(_JOB_DIR / "t.bin")], "shard": 0, "shards": 1}),
+        control_input("job.logs", {**job, "follow": False}), control_input("job.cancel", job),
+        control_input("job.get", {"job": "ab" * 32}),
         control_input("dht.get", {"key": ["job", "j1", "stage", 3]}),
         control_input("dht.get", {"key": ["peer", b"\x00" * 32]}),
     ]
@@ -484,7 +547,8 @@ CONTROL = Target(
     expected=(RpcError,),
     alloc_bound=_msgpack_bound,
     seeds=_control_seeds,
-    description="swarmd.control handlers (dht.get key checks, job methods) on decoded request headers",
+    description="swarmd.control handlers (status, peers, dht.get key checks, drain, every job.* method "
+                "against a real JobRegistry) on decoded request headers",
 )
 
 # ------------------------------------------------------------------------------------------ config
