@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU wheel cached on this kind of machine; an unpinned torch pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 # Each benchmark prints one JSON object; `make bench` keeps them in bench/out/NAME.json.
-BENCHES ?= transport dht rebalance square_cube fuzz convergence
+BENCHES ?= transport dht rebalance square_cube fuzz convergence pipeline
 BENCH_FLAGS ?=
 
 .PHONY: test test-system bench demo clean

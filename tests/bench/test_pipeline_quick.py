@@ -18,11 +18,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
-QUICK = ["--stages", "2", "--peers-per-stage", "2", "--d-model", "32", "--n-heads", "2", "--seq-len", "16",
-         "--global-samples", "8", "--microbatch-samples", "2", "--local-steps", "5", "--wire-steps", "1",
-         "--warmup-steps", "2", "--duration", "6", "--fault-duration", "10", "--kill-every", "4",
-         "--timeout", "90"]
-#: The quick run takes about 45 s on a busy 2-core machine (most of it starting daemons).
+#: `--quick` takes about a minute on a busy 2-core machine, most of it starting daemons.
 QUICK_TIMEOUT_S = 170
 
 
@@ -55,13 +51,13 @@ def live_processes_mentioning(text: str) -> list[int]:
 
 
 def test_quick_run_reports_sane_figures(tmp_path):
-    """1. Run the bench at its smallest size: 2 stages x 2 peers, a 6 s no-fault window, a 10 s
+    """1. Run the bench at its smallest size (--quick): 2 stages x 2 peers, a 6 s no-fault window, a 10 s
           fault window with a SIGKILL + restart every 4 s, wire bytes for every codec.
        Expected: exit 0 and one JSON object with positive rates, ratios above 0, at least one
        preemption, wire bytes ordered int8 < fp16 < none (fp16+lz4 and lz4 no larger than what they
        compress), the config it ran; and no swarmd process of the run is left afterwards."""
     started = time.monotonic()
-    run = subprocess.run([sys.executable, str(SCRIPT), *QUICK], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True,
                          timeout=QUICK_TIMEOUT_S, env={**os.environ, "TMPDIR": str(tmp_path)})
     elapsed = time.monotonic() - started
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -78,7 +74,7 @@ def test_quick_run_reports_sane_figures(tmp_path):
     faults = report["faults"]
     assert faults["samples_per_s"] > 0 and faults["ratio_to_no_faults"] > 0
     assert faults["preemptions"] >= 1 and faults["rejoined"] >= 1 and faults["mean_rejoin_s"] > 0
-    assert len(faults["victims"]) == faults["preemptions"]
+    assert len(faults["victims"]) == faults["preemptions"] and faults["restart_failures"] == 0
     assert report["swarm"]["job_state"] == "running" and report["swarm"]["peers"] == 4
 
     wire = report["wire_bytes_per_sample"]
@@ -90,8 +86,15 @@ def test_quick_run_reports_sane_figures(tmp_path):
     assert wire["none"] > 2 * 16 * 32 * 4
 
     config = report["config"]
-    assert (config["stages"], config["peers_per_stage"], config["d_model"], config["kill_every"]) == (2, 2, 32, 4.0)
+    assert config["quick"] and {k: config[k] for k in pb.QUICK} == pb.QUICK
     assert live_processes_mentioning(str(tmp_path)) == []
+
+
+def test_quick_sets_the_defaults_and_explicit_flags_win():
+    args = pb.parse_args(pb.build_parser(), ["--quick", "--d-model", "64"])
+    assert args.stages == pb.QUICK["stages"] and args.kill_every == pb.QUICK["kill_every"]
+    assert args.d_model == 64
+    assert pb.parse_args(pb.build_parser(), []).stages == 4
 
 
 def test_windowed_rate_counts_steps_committed_inside_the_window():
@@ -137,6 +140,6 @@ def test_socket_bytes_counts_what_the_kernel_carried():
 def test_bad_flags_are_refused_before_any_work(argv, message, capsys):
     parser = pb.build_parser()
     with pytest.raises(SystemExit) as exc:
-        pb.check_args(parser, parser.parse_args(argv))
+        pb.check_args(parser, pb.parse_args(parser, argv))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
