@@ -43,7 +43,8 @@ schedule = "constant"
 [pipeline]
 stages = 3
 """
-PERIOD_S, JITTER, CONFIRM_S = 8.0, 0.5, 2.0
+# A period long enough that steps commit before the first check (the "before" figure needs them).
+PERIOD_S, JITTER, CONFIRM_S = 15.0, 0.2, 2.0
 REBALANCE = {
     "SWARMD_REBALANCE_PERIOD_S": str(PERIOD_S), "SWARMD_REBALANCE_JITTER": str(JITTER),
     "SWARMD_REBALANCE_CONFIRM_AFTER_S": str(CONFIRM_S), "SWARMD_REBALANCE_GOSSIP_INTERVAL_S": "1",
