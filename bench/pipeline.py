@@ -1,7 +1,7 @@
 """Pipeline throughput of a local swarm against one process, under preemption, and wire bytes by codec.
 
-    .venv/bin/python bench/pipeline.py [--quick] [--stages 4] [--peers-per-stage 2] [--d-model 128] [--seq-len 128]
-                                       [--duration 60] [--fault-duration 80] [--kill-every 20]
+    .venv/bin/python bench/pipeline.py [--quick] [--stages 4] [--peers-per-stage 2] [--d-model 128]
+                                       [--seq-len 128] [--duration 60] [--fault-duration 80] [--kill-every 20]
                                        [--device cpu|cuda] [--codecs none,fp16,lz4,fp16+lz4,int8]
 
 One job spec (a byte-level GPT on the Python standard library's source, sized by the flags) is
@@ -10,13 +10,16 @@ measured three ways, and ONE JSON object is printed:
 - local: `swarmd.reference.ReferenceTrainer` in this process (same registry, same init, same data
   order, same global batch, same optimizer), timed over `--local-steps` after a warm-up step, with
   one torch thread as each daemon's stage has (on a busy 2-core machine two threads ran 6x slower);
+  run before and after the swarm, the mean reported;
 - swarm: a `swarmd.swarmproc.LocalSwarm` of real `swarmd` processes on loopback: one daemon whose
   trainer(s) push microbatches and `stages x peers-per-stage` daemons, each serving one stage. After
-  `--warmup-steps` commits, samples/s is measured over a `--duration` window with no faults, then
-  over a `--fault-duration` window in which every `--kill-every` seconds one stage peer (from a stage
-  whose peers are all up) is SIGKILLed and at once restarted (same state dir, identity and port);
-  it downloads its stage's state from its mate and serves again. Both windows run on the same job
-  and the same warm processes, so the ratio isolates the cost of the faults.
+  `--warmup-steps` commits: half of `--duration` with no faults, a `--fault-duration` window in
+  which every `--kill-every` seconds one stage peer (from a stage whose peers are all up) is
+  SIGKILLed and at once restarted (same state dir, identity and port; it downloads its stage's
+  state from its mate and serves again), then, once every victim serves again, the other half of
+  `--duration` with no faults. All on the same job and the same warm processes, the fault window
+  bracketed by the no-fault ones, so the ratio isolates the cost of the faults from load that
+  drifts during the run (the machine may be shared).
 - wire bytes per sample by codec: for each codec, a trainer in this process trains `--wire-steps`
   steps against one real `StageService` per stage over real loopback TCP connections of the
   transport; the bytes are read from the kernel (`TCP_INFO` bytes_acked + bytes_received on the
@@ -224,11 +227,12 @@ class SwarmRun:
         """Steps committed at Unix time t, from the trainers' step events."""
         return max((int(e["step"]) for e in self.events if e.get("kind") == "step" and e["ts"] <= t), default=0)
 
-    def window(self, name: str, global_samples: int) -> dict[str, Any]:
-        start, end = self.windows[name]
-        steps = self.committed_by(end) - self.committed_by(start)
-        return {"samples_per_s": steps * global_samples / (end - start), "steps": steps,
-                "window_s": round(end - start, 2)}
+    def window(self, names: tuple[str, ...], global_samples: int) -> dict[str, Any]:
+        """Samples/s over the named windows together: their steps over their summed length."""
+        spans = [self.windows[n] for n in names]
+        steps = sum(self.committed_by(end) - self.committed_by(start) for start, end in spans)
+        seconds = sum(end - start for start, end in spans)
+        return {"samples_per_s": steps * global_samples / seconds, "steps": steps, "window_s": round(seconds, 2)}
 
 
 async def serve_stage(peer: PeerProcess, job: str, stage: int) -> None:
@@ -277,10 +281,10 @@ async def restart(swarm: LocalSwarm, target: StagePeerProc, job: str, kill: Kill
 
 async def preempt(swarm: LocalSwarm, peers: list[StagePeerProc], job: str, args: argparse.Namespace,
                   run: SwarmRun, rng: random.Random) -> None:
-    """A kill at the window's start and every `kill_every` s after, until the window ends; each victim
-    restarts in its own task. The window's end cancels restarts still under way."""
-    end = time.monotonic() + args.fault_duration
-    pending: list[asyncio.Task] = []
+    """The fault window: a kill at its start and every `kill_every` s after, each victim restarting
+    in its own task. Restarts still under way when the window closes are waited for (outside it),
+    so the window after this one starts with every stage whole."""
+    start, end = time.time(), time.monotonic() + args.fault_duration
     async with asyncio.TaskGroup() as restarts:
         tick = time.monotonic()
         while tick < end:
@@ -296,10 +300,15 @@ async def preempt(swarm: LocalSwarm, peers: list[StagePeerProc], job: str, args:
             target.up = False
             kill = Kill(time.time(), target.peer.name, target.stage)
             run.kills.append(kill)
-            pending.append(restarts.create_task(restart(swarm, target, job, kill), name=f"restart {target.peer.name}"))
+            restarts.create_task(restart(swarm, target, job, kill), name=f"restart {target.peer.name}")
         await asyncio.sleep(max(0.0, end - time.monotonic()))
-        for task in pending:  # what the window's end cuts short
-            task.cancel()
+        run.windows["faults"] = (start, time.time())
+
+
+async def no_fault_window(run: SwarmRun, name: str, seconds: float) -> None:
+    start = time.time()
+    await asyncio.sleep(seconds)
+    run.windows[name] = (start, time.time())
 
 
 async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProcess], raw: dict[str, Any],
@@ -312,13 +321,12 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
         follower = tg.create_task(follow(trainer, job, run), name="follow job.logs")
         try:
             await wait_steps(run, args.warmup_steps, args.timeout)
-            start = time.time()
-            await asyncio.sleep(args.duration)
-            run.windows["no_faults"] = (start, time.time())
-            if args.fault_duration > 0:
-                start = time.time()
+            if args.fault_duration > 0:  # bracketed: load that drifts during the run hits both sides
+                await no_fault_window(run, "no_faults_before", args.duration / 2)
                 await preempt(swarm, peers, job, args, run, random.Random(args.seed))
-                run.windows["faults"] = (start, time.time())
+                await no_fault_window(run, "no_faults_after", args.duration / 2)
+            else:
+                await no_fault_window(run, "no_faults", args.duration)
             await asyncio.sleep(1.0)  # the last step events of the window reach us
         finally:
             follower.cancel()
@@ -351,16 +359,15 @@ def first_leaf(group: BaseExceptionGroup) -> BaseException:
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    torch.set_num_threads(args.local_threads or torch.get_num_threads())
+    local_threads = args.local_threads or torch.get_num_threads()
+    torch.set_num_threads(local_threads)
     raw = job_dict(args, SWARM_STEPS)
     spec = JobSpec.from_dict(raw)
     config = {k: v for k, v in sorted(vars(args).items()) if k != "codecs"} | {"codecs": list(args.codecs)}
     report: dict[str, Any] = {"bench": "pipeline", "config": config, "cpus": os.cpu_count(),
                               "load_average_1m_at_start": round(os.getloadavg()[0], 2)}
 
-    local = run_local(spec, args.local_steps, device)
-    report["local"] = local
-    report["local_samples_per_s"] = round(local["samples_per_s"], 3)
+    local = [run_local(spec, args.local_steps, device)]
 
     torch.set_num_threads(1)  # the wire measurement's stage peers share this process
     wire = measure_wire(raw, list(args.codecs), args.wire_steps)
@@ -377,15 +384,25 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             run = run_swarm(raw, args, Path(tmp))
         except (SwarmError, ControlError, DaemonUnavailable, TimeoutError) as exc:
             report["error"] = f"swarm: {type(exc).__name__}: {exc}"
+            report["local"] = local[0]
+            report["local_samples_per_s"] = round(local[0]["samples_per_s"], 3)
             return report
+    torch.set_num_threads(local_threads)
+    # Before and after the swarm, so load that others put on the machine meanwhile hits both sides.
+    local.append(run_local(spec, args.local_steps, device))
+    local_rate = sum(r["samples_per_s"] for r in local) / len(local)
+    report["local"] = {"samples_per_s": local_rate, "before": local[0], "after": local[1]}
+    report["local_samples_per_s"] = round(local_rate, 3)
     gs = spec.batch.global_samples
-    no_faults = run.window("no_faults", gs)
+    calm = tuple(n for n in ("no_faults", "no_faults_before", "no_faults_after") if n in run.windows)
+    no_faults = run.window(calm, gs)
     report["swarm"] = {**no_faults, "peers": args.stages * args.peers_per_stage, "trainers": args.trainers,
-                       "startup_s": run.startup_s, "job_state": run.job_state}
+                       "startup_s": run.startup_s, "job_state": run.job_state,
+                       "windows": {n: run.window((n,), gs) for n in calm}}
     report["swarm_samples_per_s"] = round(no_faults["samples_per_s"], 3)
-    report["swarm_to_local_ratio"] = round(no_faults["samples_per_s"] / local["samples_per_s"], 4)
+    report["swarm_to_local_ratio"] = round(no_faults["samples_per_s"] / local_rate, 4)
     if "faults" in run.windows:
-        faults = run.window("faults", gs)
+        faults = run.window(("faults",), gs)
         rejoins = [k.rejoin_s for k in run.kills if k.rejoin_s is not None]
         report["faults"] = {
             **faults, "preemptions": len(run.kills), "kill_every_s": args.kill_every,

@@ -76,6 +76,11 @@ def test_quick_run_reports_sane_figures(tmp_path):
     assert faults["preemptions"] >= 1 and faults["rejoined"] >= 1 and faults["mean_rejoin_s"] > 0
     assert len(faults["victims"]) == faults["preemptions"] and faults["restart_failures"] == 0
     assert report["swarm"]["job_state"] == "running" and report["swarm"]["peers"] == 4
+    windows = report["swarm"]["windows"]
+    assert set(windows) == {"no_faults_before", "no_faults_after"}  # the fault window is bracketed
+    assert sum(w["steps"] for w in windows.values()) == report["swarm"]["steps"]
+    local = report["local"]
+    assert local["before"]["samples_per_s"] > 0 and local["after"]["samples_per_s"] > 0
 
     wire = report["wire_bytes_per_sample"]
     assert set(wire) == {"none", "fp16", "lz4", "fp16+lz4", "int8"}
@@ -102,8 +107,11 @@ def test_windowed_rate_counts_steps_committed_inside_the_window():
     run = pb.SwarmRun(events=[{"kind": "step", "ts": 10.0 + i, "step": i + 1} for i in range(20)]
                       + [{"kind": "info", "ts": 12.5, "step": 99}])
     run.windows["w"] = (12.5, 17.5)  # steps 3 (ts 12) and 8 (ts 17) committed by then
-    got = run.window("w", 8)
+    got = run.window(("w",), 8)
     assert got["steps"] == 5 and got["samples_per_s"] == pytest.approx(5 * 8 / 5.0)
+    run.windows["v"] = (20.5, 29.5)  # steps 11 (ts 20) and 20 (ts 29): 9 more in 9 s
+    both = run.window(("w", "v"), 8)
+    assert both["steps"] == 14 and both["samples_per_s"] == pytest.approx(14 * 8 / 14.0)
     assert run.committed_by(0.0) == 0
 
 
