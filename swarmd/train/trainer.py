@@ -426,7 +426,7 @@ class Trainer:
                     if record != (-1, -1) or unrecorded[i] > RECORD_POLLS:
                         committed[i] = record
                     continue
-                lost = self._lost(i, infos, set(by_id), uncovered_since, loop.time())
+                lost = self._lost(i, step, infos, set(by_id), uncovered_since, loop.time())
                 await self._resend(i, step, [(by_id[mb], why) for mb, why in sorted(lost.items())])
             if len(committed) < self.num_stages:
                 await asyncio.sleep(delay)
@@ -446,16 +446,21 @@ class Trainer:
                                              f"{self.config.commit_status_after_s:g}+ s "
                                              f"({len(infos)} peers answered, {uncovered} microbatches uncovered)")
 
-    def _lost(self, stage: int, infos: list[dict[str, Any]], mine: set[int],
+    def _lost(self, stage: int, step: int, infos: list[dict[str, Any]], mine: set[int],
               uncovered_since: dict[tuple[int, int], float], now: float) -> dict[int, str]:
         """This trainer's microbatches the stage no longer holds. `missing` (a peer held them, then
         left) is believed at once. `uncovered` (no live peer holds them) can merely lag a backward
         that just finished, so it counts only when every answering peer says so for
-        `uncovered_grace_s`: all of this trainer's backwards had completed before polling began."""
+        `uncovered_grace_s`: all of this trainer's backwards had completed before polling began.
+        Peers that have all committed fewer than `step` steps hold nothing of it (their progress is
+        about an older step): the stage lost its state, e.g. restored an older checkpoint after all
+        its peers died; everything of ours is uncovered there, and the re-send is what lets the
+        stage take up this step again (StageService._resume_at)."""
         missing = {mb for info in infos for mb in _ints(info.get("missing"))} & mine
         uncovered = set(mine)
-        for info in infos:
-            uncovered &= set(_ints(info.get("uncovered")))
+        if not infos or any(_int(info.get("step")) >= step for info in infos):
+            for info in infos:
+                uncovered &= set(_ints(info.get("uncovered")))
         for key in [k for k in uncovered_since if k[0] == stage and k[1] not in uncovered]:
             del uncovered_since[key]
         for mb in uncovered:

@@ -1,7 +1,7 @@
-"""Every peer of one stage killed: the job waits, and `swarmctl job` says which stage has no peers.
-
-(Resuming from the stage's checkpoint when its daemon restarts is not covered here yet: see
-docs/jobs.md, "Not yet done".)"""
+"""Every peer of one stage killed: the job waits, and `swarmctl job` says which stage has no peers;
+the killed daemon restarts with its state dir, rejoins the stage it remembers on its own (restoring
+its checkpoint: no live mate has newer state), takes up the step the other stages reached, and the
+job finishes every step with the full global batch."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from pathlib import Path
 
 from swarmd.exitcodes import EXIT_OK
 
-STEPS = 8
+STEPS = 12
+#: Stage 1's only checkpoint before the kill is step 6's, and the kill comes after step 7, so the
+#: restarted stage is behind the others and must take up their step (StageService._resume_at).
+EVERY = 6
 #: Announcements refreshed every second and lapsing after three, so the dead peer's record is
 #: gone from the stage's peers within seconds instead of the default 90 s.
 SHORT_ANNOUNCE = {"SWARMD_DHT_REFRESH_INTERVAL": "1", "SWARMD_DHT_ANNOUNCE_TTL": "3"}
@@ -38,7 +41,7 @@ schedule = "constant"
 [pipeline]
 stages = 3
 [checkpoint]
-every_steps = 2
+every_steps = {EVERY}
 """
 
 
@@ -52,7 +55,8 @@ def wait_for(predicate, timeout: float, what: str):
         time.sleep(0.3)
 
 
-def test_wiped_stage_makes_the_job_wait_with_a_clear_status(swarm, swarm_root: Path, swarmctl) -> None:
+def test_wiped_stage_makes_the_job_wait_then_resumes_when_its_daemon_restarts(swarm, swarm_root: Path,
+                                                                             swarmctl) -> None:
     data = swarm_root / "wiped.txt"
     data.write_text(Path(json.__file__).read_text() * 4)
     spec_path = swarm_root / "wiped.toml"
@@ -67,7 +71,7 @@ def test_wiped_stage_makes_the_job_wait_with_a_clear_status(swarm, swarm_root: P
     wait_for(lambda: all(s["peers"] for s in a.client.job(job_id)["stages"]), 30, "a peer on every stage")
     assert swarmctl("--socket", str(a.socket), "train", job_id, "--data", str(data)).returncode == EXIT_OK
 
-    wait_for(lambda: a.client.job(job_id)["step"] >= 3, 90, "three steps (a checkpoint at step 2)")
+    wait_for(lambda: a.client.job(job_id)["step"] >= EVERY + 1, 90, "a checkpoint, then one more step")
     c.proc.send_signal(signal.SIGKILL)
     c.proc.wait(timeout=30)
     stalled = wait_for(lambda: (lambda j: j if "stage 1 has no peers" in j["status"] else None)(a.client.job(job_id)),
@@ -77,4 +81,24 @@ def test_wiped_stage_makes_the_job_wait_with_a_clear_status(swarm, swarm_root: P
     assert stalled["state"] == "waiting" and "waiting: stage 1 has no peers" in shown.stdout
     assert "stage 1    no peers" in shown.stdout
     # The trainer keeps waiting (it never gives up on a job): it is alive and has not finished.
-    assert a.client.job(job_id)["state"] == "waiting" and a.client.job(job_id)["step"] < STEPS
+    waiting_at = a.client.job(job_id)["step"]
+    assert a.client.job(job_id)["state"] == "waiting" and waiting_at < STEPS
+
+    # No `swarmctl serve`: the restarted daemon rejoins the stage from its served-stages file.
+    restarted = swarm.restart(c)
+    wait_for(lambda: restarted.client.status()["serving"]["stages"] == [f"{job_id[:16]}/1"], 60,
+             "the restarted daemon to rejoin stage 1")
+    done = wait_for(lambda: (lambda j: j if j["state"] in ("done", "failed") else None)(a.client.job(job_id)),
+                    180, "training to finish after the stage came back")
+    events = [e for e in a.client.logs(job_id) if e["kind"] == "step"]
+    assert done["state"] == "done" and [e["step"] for e in events] == list(range(1, STEPS + 1)), events
+    for event in events:
+        print(f"step {event['step']}: stage samples {event['stage_samples']}, duplicates {event['duplicates']}")
+        for samples, dups in zip(event["stage_samples"], event["duplicates"]):
+            assert samples >= 0 and dups >= 0, event  # every stage reported the step it committed
+            assert samples - dups * 2 == 4, event  # global_samples, duplicated microbatches aside
+    log = restarted.log.read_text()
+    resumed = [line for line in log.splitlines() if "restored checkpoint" in line or "resumed at step" in line]
+    print(f"waiting at step {waiting_at};", *resumed, sep="\n")
+    assert any(f"restored checkpoint of step {EVERY}" in line for line in resumed)
+    assert any(f"with the state of step {EVERY}" in line for line in resumed)
