@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from swarmd.client import Client, ControlError, DaemonUnavailable  # noqa: E402
 from swarmd.directory import StagePeer, StaticDirectory  # noqa: E402
 from swarmd.job import open_training_data  # noqa: E402
-from swarmd.job.data import TrainingData  # noqa: E402
+from swarmd.job.data import Microbatch, TrainingData  # noqa: E402
 from swarmd.job.spec import JobSpec  # noqa: E402
 from swarmd.reference import ReferenceTrainer  # noqa: E402
 from swarmd.stage import StageLimits, StageServer, StageService  # noqa: E402
@@ -119,7 +119,7 @@ class OnDevice:
     data: TrainingData
     device: torch.device
 
-    def microbatch(self, step: int, index: int):
+    def microbatch(self, step: int, index: int) -> Microbatch:
         mb = self.data.microbatch(step, index)
         return replace(mb, inputs=mb.inputs.to(self.device), targets=mb.targets.to(self.device))
 
@@ -144,7 +144,7 @@ def run_local(spec: JobSpec, steps: int, device: torch.device) -> dict[str, Any]
 # ------------------------------------------------------------------------- wire bytes by codec
 
 
-def socket_bytes(sock: socket.socket) -> int:
+def socket_bytes(sock: socket.socket | Any) -> int:
     """Payload bytes this TCP socket has had acknowledged plus those it received, from the kernel."""
     raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
     acked, received = struct.unpack_from("<QQ", raw, TCP_INFO_BYTES_OFFSET)
@@ -173,14 +173,14 @@ async def wire_bytes_for(raw: dict[str, Any], codec: str, steps: int) -> dict[st
             await service.start()
             directory.set(WIRE_JOB_ID, stage, [StagePeer(peer_id, addr, stage)])
         addrs = [f"{rpc.address[0]}:{rpc.address[1]}" for _, rpc, _ in opened]
-        sockets = [(await trainer_pool.connect(a)).get_extra_info("socket") for a in addrs]
-        before = sum(socket_bytes(s) for s in sockets)
+        connections = [await trainer_pool.connect(a) for a in addrs]
+        before = sum(socket_bytes(c.get_extra_info("socket")) for c in connections)
         trainer = Trainer(spec, WIRE_JOB_ID, directory, trainer_pool, data)
         await trainer.run(0, steps)
-        after = [(await trainer_pool.connect(a)).get_extra_info("socket") for a in addrs]
-        if any(a is not b for a, b in zip(after, sockets)):
+        now = [await trainer_pool.connect(a) for a in addrs]
+        if any(a is not b for a, b in zip(now, connections)):
             raise RuntimeError(f"codec {codec}: a trainer connection was replaced mid-run; its bytes are lost")
-        total = sum(socket_bytes(s) for s in sockets) - before
+        total = sum(socket_bytes(c.get_extra_info("socket")) for c in connections) - before
     finally:
         await trainer_pool.close()
         for service, rpc, pool in reversed(opened):
@@ -199,7 +199,10 @@ def measure_wire(raw: dict[str, Any], codecs: list[str], steps: int) -> dict[str
 
 
 @dataclass
-class StagePeerProc:
+class ServedPeer:
+    """A stage daemon of the run and the stage it is pinned to; `up` is false from its SIGKILL
+    until it serves again (its stage is then not a candidate for the next kill)."""
+
     peer: PeerProcess
     stage: int
     up: bool = True
@@ -265,7 +268,7 @@ async def wait_steps(run: SwarmRun, steps: int, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
-async def restart(swarm: LocalSwarm, target: StagePeerProc, job: str, kill: Kill) -> None:
+async def restart(swarm: LocalSwarm, target: ServedPeer, job: str, kill: Kill) -> None:
     """Bring the victim back on its stage. A restart that fails is recorded, not raised: the window
     goes on with the stage one peer short (and that stage is never chosen again)."""
     try:
@@ -279,7 +282,7 @@ async def restart(swarm: LocalSwarm, target: StagePeerProc, job: str, kill: Kill
     target.up = True
 
 
-async def preempt(swarm: LocalSwarm, peers: list[StagePeerProc], job: str, args: argparse.Namespace,
+async def preempt(swarm: LocalSwarm, peers: list[ServedPeer], job: str, args: argparse.Namespace,
                   run: SwarmRun, rng: random.Random) -> None:
     """The fault window: a kill at its start and every `kill_every` s after, each victim restarting
     in its own task. Restarts still under way when the window closes are waited for (outside it),
@@ -315,7 +318,7 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
                 args: argparse.Namespace, run: SwarmRun) -> None:
     async with Client(trainer.socket) as client:
         job = (await client.submit(raw, [], trainers=args.trainers))["job"]
-    peers = [StagePeerProc(peer, i % args.stages) for i, peer in enumerate(servers)]
+    peers = [ServedPeer(peer, i % args.stages) for i, peer in enumerate(servers)]
     await asyncio.gather(*(serve_stage(p.peer, job, p.stage) for p in peers))
     async with asyncio.TaskGroup() as tg:
         follower = tg.create_task(follow(trainer, job, run), name="follow job.logs")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
 #: `--quick` takes about a minute on a busy 2-core machine, most of it starting daemons.
@@ -144,6 +145,9 @@ def test_socket_bytes_counts_what_the_kernel_carried():
     (["--kill-every", "0"], "must be positive"),
     (["--trainers", "9"], "--trainers cannot exceed"),
     (["--codecs", "none,zstd"], "unknown codec"),
+    pytest.param(["--device", "cuda"], "needs a CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
+    (["--device", "tpu"], "needs a CUDA device"),
 ])
 def test_bad_flags_are_refused_before_any_work(argv, message, capsys):
     parser = pb.build_parser()
