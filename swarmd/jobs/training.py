@@ -8,7 +8,9 @@ together they cover the global batch exactly once).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from typing import Any
 
 from swarmd.job import TokenDataset, TrainingData, read_tokens
@@ -19,6 +21,9 @@ from transport.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
+#: Step commits the job's samples/s is measured over (a minute or so of a typical run's steps).
+RATE_WINDOW = 10
+
 
 class Training:
     def __init__(self, pool: Any, directory: Any, config: TrainerConfig = TrainerConfig()) -> None:
@@ -26,6 +31,7 @@ class Training:
         self._tasks = TaskSet("trainers")
         self._running: dict[bytes, int] = {}
         self._trainers: dict[bytes, list[asyncio.Task]] = {}
+        self._commits: dict[bytes, collections.deque[tuple[int, float]]] = {}  # job -> (step, commit time)
 
     async def start(self, job: Job, shards: range, of: int) -> None:
         """Open the job's data (off the loop) and run the given shards in supervised tasks."""
@@ -64,10 +70,25 @@ class Training:
             return
         job.step = event.step + 1
         job.loss = event.global_loss if event.global_loss is not None else event.shard_loss
+        job.samples_per_s = self._rate(job, event)
         job.event("step", f"shard {shard}: step {event.step} committed", tokens_per_s=event.tokens_per_s,
+                  samples_per_s=job.samples_per_s,
                   shard=shard, shard_loss=event.shard_loss, samples=event.samples, retries=event.retries,
                   peers_per_stage=list(event.peers_per_stage), stage_samples=list(event.stage_samples),
                   duplicates=list(event.duplicates))
+
+    def _rate(self, job: Job, event: StepEvent) -> float:
+        """The job's samples/s: global batches over the time between the last RATE_WINDOW steps'
+        commits (each step counted once, whichever local shard saw it first). Why commits and not a
+        shard's own rate: shards on other daemons are invisible here, but every commit means a whole
+        global batch went through every stage. Until two steps are seen: the first step's own time."""
+        commits = self._commits.setdefault(job.job_id, collections.deque(maxlen=RATE_WINDOW))
+        if not commits or event.step > commits[-1][0]:
+            commits.append((event.step, time.monotonic()))
+        if len(commits) < 2:
+            return job.spec.batch.global_samples / event.elapsed_s if event.elapsed_s > 0 else 0.0
+        (first_step, first), (last_step, last) = commits[0], commits[-1]
+        return job.spec.batch.global_samples * (last_step - first_step) / max(last - first, 1e-9)
 
     @property
     def started(self) -> set[bytes]:

@@ -5,8 +5,14 @@ trains); a daemon SIGKILLed and restarted with its state dir rejoins the stage i
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
 import signal
+import subprocess
+import sys
 import time
+import tty
 from pathlib import Path
 
 STEPS = 4
@@ -46,6 +52,48 @@ def wait_for(predicate, timeout: float, what: str):
         time.sleep(0.3)
 
 
+def on_a_terminal(*args: str, no_color: bool) -> str:
+    """Run swarmctl with its stdout on a pseudo-terminal and return what it drew."""
+    exe = str(Path(sys.executable).parent / "swarmctl")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", "TERM": "xterm",
+           **({"NO_COLOR": "1"} if no_color else {})}
+    master, slave = pty.openpty()
+    tty.setraw(slave)  # no \n -> \r\n translation: what we read is what swarmctl wrote
+    proc = subprocess.Popen([exe, *args], stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    return out.decode()
+
+
+def check_follow_output(daemon, job_id: str) -> None:
+    """`logs --follow` of the finished job: a redrawn bar on a terminal (coloured unless NO_COLOR),
+    one plain line per event through a pipe."""
+    drawn = on_a_terminal("--socket", str(daemon.socket), "logs", job_id, "--follow", no_color=False)
+    last = drawn.rstrip("\n").rsplit("\r", 1)[-1]
+    print(repr(last))
+    assert f"step {STEPS}/{STEPS}" in last and "loss " in last and "tokens/s " in last and re.search(r"peers/stage [1-3]·[1-3]·[1-3]", last)
+    assert "\x1b[32m" + "#" * 24 in last  # full bar, green
+    assert "trained 4 steps" in drawn  # the final event, printed above the bar
+    plain = on_a_terminal("--socket", str(daemon.socket), "logs", job_id, "--follow", no_color=True)
+    assert "\r[" + "#" * 24 + "]" in plain and "\x1b[3" not in plain  # a bar, no colour
+    piped = subprocess.run([str(Path(sys.executable).parent / "swarmctl"), "--socket", str(daemon.socket), "logs",
+                            job_id, "--follow"], capture_output=True, text=True, timeout=60,
+                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", "TERM": "xterm"})
+    assert piped.returncode == 0 and "\r" not in piped.stdout and "\x1b" not in piped.stdout
+    lines = piped.stdout.splitlines()
+    assert sum(" step " in line and "committed" in line for line in lines) == STEPS and "trained 4 steps" in lines[-1]
+
+
 def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, swarm_root: Path, swarmctl) -> None:
     data = swarm_root / "joining.txt"
     data.write_text(Path(json.__file__).read_text() * 4)
@@ -70,6 +118,8 @@ def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, s
     peers = {p["peer_id"] for stage in done["stages"] for p in stage["peers"]}
     assert trainer.status["peer_id"] not in peers
     assert all(stage["peers"] for stage in done["stages"])
+    assert done["samples_per_s"] > 0  # measured from the trainer's step commits
+    check_follow_output(trainer, job_id)
 
     victim = servers[1]
     before = served[victim.name]
