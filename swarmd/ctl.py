@@ -1,8 +1,9 @@
 """`swarmctl`: talk to the local daemon. Data goes to stdout, messages to stderr; `--json` everywhere.
 
 Exit statuses: 0 done; 1 the daemon refused the request (typed error, printed); 2 bad usage or a
-bad input file; 4 no usable daemon (not running, not permitted). Output carries no colour at all,
-so NO_COLOR holds trivially; `logs` prints one line per event (no progress bar yet).
+bad input file; 4 no usable daemon (not running, not permitted). Output carries no colour, except
+`logs --follow` (and `submit --follow`) on a terminal: a redrawn progress bar, coloured unless
+NO_COLOR is set; piped, or with `--json`, they print one line per event.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from swarmd.plot import add_plot_parser, plot_command
 from swarmd.client import DEFAULT_TIMEOUT_S, SOCKET_ENV, Client, ControlError, DaemonUnavailable, SyncClient
@@ -195,13 +197,68 @@ def _read_spec(path: Path) -> dict[str, Any]:
 
 
 async def _follow_logs(args: argparse.Namespace) -> None:
+    live = args.follow and not args.json and sys.stdout.isatty()
     async with Client(args.socket, timeout=args.timeout) as client:
-        async for event in client.logs(args.job, follow=args.follow):
-            # One line per event either way: `--json` gives JSON Lines, so a follower can parse
-            # each event as it arrives.
-            line = json.dumps(_jsonable(event), sort_keys=True) if args.json else _event_text(event)
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+        bar = _ProgressBar(sys.stdout, (await client.job(args.job))["steps"], _colour(os.environ)) if live else None
+        try:
+            async for event in client.logs(args.job, follow=args.follow):
+                if bar is not None:
+                    bar.show(event)
+                    continue
+                # One line per event otherwise: `--json` gives JSON Lines, so a follower can parse
+                # each event as it arrives.
+                line = json.dumps(_jsonable(event), sort_keys=True) if args.json else _event_text(event)
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _colour(env: Mapping[str, str]) -> bool:
+    """Colour unless NO_COLOR is set to anything non-empty (no-color.org) or the terminal is dumb."""
+    return not env.get("NO_COLOR") and env.get("TERM", "") != "dumb"
+
+
+class _ProgressBar:
+    """`logs --follow` on a terminal: one redrawn line (bar, step, loss, tokens/s, peers per
+    stage) at the bottom, every other event printed above it as its usual line. Colour only marks
+    the bar and warnings, so with NO_COLOR nothing is lost."""
+
+    WIDTH = 24
+
+    def __init__(self, out: Any, steps: int, colour: bool) -> None:
+        self.out, self.steps, self.colour = out, max(int(steps), 1), colour
+        self.last: dict[str, Any] | None = None
+
+    def _paint(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.colour else text
+
+    def show(self, event: dict[str, Any]) -> None:
+        if event["kind"] == "step":
+            self.last = event
+        else:
+            line = _event_text(event)
+            self.out.write("\r\x1b[K" + (self._paint("33", line) if event["kind"] == "warning" else line) + "\n")
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.last is None:
+            return
+        e = self.last
+        filled = min(self.WIDTH, self.WIDTH * int(e["step"]) // self.steps)
+        bar = self._paint("32", "#" * filled) + "." * (self.WIDTH - filled)
+        loss = "-" if e.get("loss") is None else f"{e['loss']:.4f}"
+        rate = "-" if e.get("tokens_per_s") is None else f"{e['tokens_per_s']:,.0f}"
+        peers = "·".join(str(n) for n in e.get("peers_per_stage") or []) or "-"
+        self.out.write(f"\r[{bar}] step {e['step']}/{self.steps}  loss {loss}  tokens/s {rate}  "
+                       f"peers/stage {peers}\x1b[K")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.last is not None:
+            self.out.write("\n")
+            self.out.flush()
 
 
 def _event_text(event: dict[str, Any]) -> str:
