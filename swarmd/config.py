@@ -374,6 +374,25 @@ class MetricsSection:
     )
 
 
+def _serve_rule(value: Any) -> str | frozenset[str]:
+    """`jobs.serve`: "all", "none", or job names and submitter keys (hex), from TOML or from text."""
+    if isinstance(value, str):
+        if value in ("all", "none"):
+            return value
+        value = [part for part in value.split(",") if part.strip()]
+        if not value:
+            raise ValueError('expected "all", "none" or job names / submitter keys, got an empty string')
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError(f'expected "all", "none" or a list of job names / submitter keys (hex), got {value!r}')
+    if not value:
+        raise ValueError('an empty list serves nothing: write "none"')
+    return frozenset(v.strip() for v in value)
+
+
+SERVE_RULE = Kind('all|none|list of job names or submitter keys', _serve_rule, _serve_rule,
+                  lambda v: v if isinstance(v, str) else sorted(v))
+
+
 @dataclass(frozen=True)
 class JobsSection:
     max_stages: int = setting(
@@ -385,6 +404,20 @@ class JobsSection:
     )
     torch_threads: int = setting(
         1, _int_kind(1), "torch threads per served stage's compute workers; raise on a big CPU host",
+    )
+    serve: str | frozenset[str] = setting(
+        "all", SERVE_RULE,
+        "a daemon is run to lend its compute to the swarm it joins, so it joins accepted jobs' stages on "
+        "its own (within max_stages); \"none\" for a host that only submits or trains, or name the jobs "
+        "(by name or submitter key) it is meant for",
+    )
+    join_interval_s: float = setting(
+        5.0, _float_kind(0.1),
+        "how often the jobs index is read for jobs to join (jittered); a new job waits at most about this long",
+    )
+    rejoin_wait_s: float = setting(
+        300.0, _float_kind(0.0),
+        "how long a restarted daemon looks for a job it served before forgetting it (gone or cancelled)",
     )
     accept_jobs_from: frozenset[bytes] = setting(
         frozenset(), HEX_KEYS,

@@ -26,6 +26,8 @@ from swarmd import config as configuration
 from swarmd import control, liveness, logs, metrics, notify, swarmkey
 from swarmd.jobs import JobRegistry
 from swarmd.jobs.directory import DHTStageDirectory
+from swarmd.jobs.joining import Joining
+from swarmd.jobs.remembered import RememberedStages
 from swarmd.jobs.rebalancing import RebalanceSettings, Rebalancing
 from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
@@ -152,6 +154,7 @@ class Daemon:
         self.job_registry: JobRegistry | None = None
         self.serving: Serving | None = None
         self.training: Training | None = None
+        self.joining: Joining | None = None
         self.rebalancing: Rebalancing | None = None
         self.pool: Pool | None = None
         self.router: metrics.InstrumentedRouter | None = None  # the peer-facing methods (DHT, later stages)
@@ -230,6 +233,12 @@ class Daemon:
         closers.append(("served stages", self.serving.close))
         self.training = Training(self.pool, directory)
         closers.append(("trainers", self.training.close))
+        # Stopped before the stages close, so a drain is not remembered as "serves nothing".
+        self.joining = Joining(self.job_registry, self.serving, RememberedStages(cfg.daemon.state_dir),
+                               peer_id=self.identity.peer_id, serve=cfg.jobs.serve, max_stages=cfg.jobs.max_stages,
+                               interval_s=cfg.jobs.join_interval_s, rejoin_wait_s=cfg.jobs.rejoin_wait_s)
+        self.joining.start()
+        closers.append(("automatic joining", self.joining.close))
         try:
             settings = RebalanceSettings.from_section(cfg.rebalance)
         except ValueError as exc:

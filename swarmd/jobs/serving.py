@@ -40,11 +40,17 @@ class Serving:
         self.peer_id, self.address, self.device = peer_id, address, device
         self.state_dir, self.limits, self.max_stages = state_dir, limits, max_stages
         self.served: dict[tuple[bytes, int], Served] = {}
+        self._joins = asyncio.Lock()
         self.moving: dict[bytes, Moving] = {}  # job id -> the rebalancing move under way
         self.moves: collections.deque[MoveRecord] = collections.deque(maxlen=MOVES_KEPT)
 
     async def serve(self, spec: Any, job_id: bytes, stage: int) -> StageService:
-        """Join `stage` of the job (download state from a mate, else a checkpoint, else fresh init)."""
+        """Join `stage` of the job (download state from a mate, else a checkpoint, else fresh init).
+        One join at a time: `swarmctl serve` and automatic joining may ask for the same stage at once."""
+        async with self._joins:
+            return await self._serve(spec, job_id, stage)
+
+    async def _serve(self, spec: Any, job_id: bytes, stage: int) -> StageService:
         if (job_id, stage) in self.served:
             return self.served[(job_id, stage)].service
         if len(self.served) >= self.max_stages:
