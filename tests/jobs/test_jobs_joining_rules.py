@@ -1,0 +1,76 @@
+"""The pure parts of automatic joining: the `jobs.serve` setting, which jobs it admits, the join
+rule's capacity view, and the served-stages file (atomic, and a damaged one set aside)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from swarmd.cli import parser
+from swarmd.config import ConfigError
+from swarmd.config import load as load_config
+from swarmd.jobs.joining import admits, capacity_table
+from swarmd.jobs.remembered import FILE_NAME, RememberedStages
+from swarmd.rebalance.policy import choose_join_stage
+from transport.identity import Identity
+
+
+def load(argv: list[str], env: dict[str, str]):
+    return load_config(parser().parse_args(argv), env)
+
+
+def test_serve_setting_from_toml_flags_and_variables(tmp_path) -> None:
+    assert load([], {}).jobs.serve == "all"
+    assert load([], {"SWARMD_JOBS_SERVE": "none"}).jobs.serve == "none"
+    assert load([], {"SWARMD_JOBS_SERVE": "tiny, abc"}).jobs.serve == frozenset({"tiny", "abc"})
+    cfg = tmp_path / "d.toml"
+    cfg.write_text('[jobs]\nserve = ["tiny", "big"]\n')
+    assert load(["--config", str(cfg)], {}).jobs.serve == frozenset({"tiny", "big"})
+    for bad in ("serve = []", "serve = 3", 'serve = ["ok", 1]'):
+        cfg.write_text(f"[jobs]\n{bad}\n")
+        with pytest.raises(ConfigError) as refused:
+            load(["--config", str(cfg)], {})
+        assert "serve" in str(refused.value)
+
+
+def test_serve_rule_admits_by_name_or_submitter() -> None:
+    submitter = Identity.generate()
+    job = SimpleNamespace(spec=SimpleNamespace(name="tiny"), submitter=submitter.public_key)
+    assert admits("all", job) and not admits("none", job)
+    assert admits(frozenset({"tiny"}), job) and not admits(frozenset({"other"}), job)
+    assert admits(frozenset({submitter.public_key.hex()}), job)
+    assert admits(frozenset({submitter.peer_id.hex()}), job)
+
+
+def stage(index: int, *peers: tuple[str, float, str]) -> dict:
+    return {"stage": index, "peers": [{"peer_id": pid * 32, "samples_per_s": speed, "state": state}
+                                      for pid, speed, state in peers]}
+
+
+def test_capacity_counts_unmeasured_peers_and_prefers_empty_stages() -> None:
+    # An idle new peer (0 samples/s measured) still beats no peer at all.
+    stages = [stage(0, ("aa", 0.0, "serving")), stage(1), stage(2, ("bb", 5.0, "serving"))]
+    table = capacity_table(stages)
+    assert table.expected == [5.0, 0.0, 5.0]
+    assert choose_join_stage(table, me=b"x") == 1
+    # A peer announcing "joining" counts (so others do not pile on); draining ones do not.
+    stages = [stage(0, ("aa", 4.0, "serving")), stage(1, ("cc", 0.0, "joining")), stage(2, ("dd", 9.0, "draining"))]
+    assert choose_join_stage(capacity_table(stages), me=b"x") == 2
+    # One daemon serving two stages is one row per stage.
+    stages = [stage(0, ("aa", 2.0, "serving")), stage(1, ("aa", 3.0, "serving"))]
+    assert capacity_table(stages).expected == [2.0, 3.0]
+
+
+def test_remembered_stages_round_trip_and_damage(tmp_path) -> None:
+    memory = RememberedStages(tmp_path)
+    assert memory.load() == []
+    keys = {(b"\x01" * 32, 0), (b"\x02" * 32, 2)}
+    memory.save(keys)
+    assert set(memory.load()) == keys
+    assert json.loads((tmp_path / FILE_NAME).read_text())["format"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == [FILE_NAME]  # no temp file left
+    (tmp_path / FILE_NAME).write_text('{"format": 1, "stages": [{"job": "zz", "stage": 0}]}')
+    assert memory.load() == []
+    assert (tmp_path / (FILE_NAME + ".bad")).exists() and not (tmp_path / FILE_NAME).exists()
