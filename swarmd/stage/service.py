@@ -374,7 +374,7 @@ class StageService:
             await self.in_aux(jump)
             self.skipped.append((lost_from, target))
             log.warning("stage %d resumed at step %d with the state of step %d: the swarm went on without "
-                        "it, so the updates of steps %d..%d are lost", self.stage_index, target, lost_from,
+                        "it, so its updates of steps %d to %d are lost", self.stage_index, target, lost_from,
                         lost_from, target - 1)
             self._notify_commit()
             return True
