@@ -61,7 +61,8 @@ from swarmd.job.data import Microbatch, TrainingData  # noqa: E402
 from swarmd.job.spec import JobSpec  # noqa: E402
 from swarmd.reference import ReferenceTrainer  # noqa: E402
 from swarmd.stage import StageLimits, StageServer, StageService  # noqa: E402
-from swarmd.swarmproc import LocalSwarm, PeerProcess, SwarmError, SwarmSettings, install_signal_handlers  # noqa: E402
+from swarmd.swarmproc import (FAST_ENV, LocalSwarm, PeerProcess, SwarmError, SwarmSettings,  # noqa: E402
+                              install_signal_handlers)
 from swarmd.train.trainer import Trainer  # noqa: E402
 from transport.codecs import CODECS  # noqa: E402
 from transport.rpc import Pool, Router, RpcServer  # noqa: E402
@@ -84,6 +85,10 @@ TCP_INFO_LEN = 256
 #: tens of milliseconds instead of the default 0.1 s (fewer trainer `stage.info` polls to count).
 WIRE_STAGE_LIMITS = StageLimits(sync_interval_s=0.02, workers=1, torch_threads=1)
 WIRE_JOB_ID = hashlib.sha256(b"swarmd bench/pipeline wire bytes").digest()
+#: The swarm's placement is the bench's, fixed for the whole run: no daemon joins stages on its own
+#: (the trainer's daemon would otherwise serve one too) and none moves to another stage mid-window.
+#: A restarted victim still rejoins its remembered stage by itself, as a real peer would.
+PINNED_ENV = {"SWARMD_JOBS_SERVE": "none", "SWARMD_REBALANCE_ENABLED": "false"}
 
 
 # ------------------------------------------------------------------------------------ the job
@@ -269,8 +274,9 @@ async def wait_steps(run: SwarmRun, steps: int, timeout: float) -> None:
 
 
 async def restart(swarm: LocalSwarm, target: ServedPeer, job: str, kill: Kill) -> None:
-    """Bring the victim back on its stage. A restart that fails is recorded, not raised: the window
-    goes on with the stage one peer short (and that stage is never chosen again)."""
+    """Bring the victim back on its stage (a restarted daemon rejoins the stages it remembers by
+    itself; `job.serve` then waits for that join). A restart that fails is recorded, not raised: the
+    window goes on with the stage one peer short (and that stage is never chosen again)."""
     try:
         swarm.restart(target.peer, wait=False)
         await swarm.wait_ready_async([target.peer])
@@ -340,7 +346,7 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
 
 def run_swarm(raw: dict[str, Any], args: argparse.Namespace, root: Path) -> SwarmRun:
     run = SwarmRun()
-    settings = SwarmSettings(log_level="warning", device=args.device)
+    settings = SwarmSettings(log_level="warning", device=args.device, env={**FAST_ENV, **PINNED_ENV})
     with LocalSwarm(root, settings) as swarm:
         started = time.monotonic()
         trainer, *servers = swarm.start(1 + args.stages * args.peers_per_stage)
