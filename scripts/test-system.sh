@@ -12,10 +12,22 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 2
 fi
 
-if ! command -v systemd-nspawn >/dev/null || ! command -v debootstrap >/dev/null; then
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q systemd-container debootstrap
+# A mirror that answers badly once (a half-synced index, a dropped connection) is common enough
+# that one retry of each apt step separates a flaky network from a real failure.
+apt_retry() {
+    "$@" || { echo "test-system: '$*' failed; retrying once in 10 s" >&2; sleep 10; "$@"; }
+}
+
+if ! command -v systemd-nspawn >/dev/null || ! command -v debootstrap >/dev/null || ! command -v ip >/dev/null; then
+    apt_retry apt-get update -q
+    apt_retry env DEBIAN_FRONTEND=noninteractive apt-get install -y -q systemd-container debootstrap iproute2
 fi
+for tool in systemd-nspawn debootstrap ip nsenter flock; do
+    if ! command -v "$tool" >/dev/null; then
+        echo "test-system: '$tool' is still missing after installing the host packages" >&2
+        exit 2
+    fi
+done
 
 [ -x .venv/bin/python ] || make .venv/.installed
 
@@ -32,4 +44,5 @@ fi
 
 .venv/bin/python tests/system/nspawn.py prepare
 export SWARMD_SYSTEM_TESTS=1
+# pytest's status passes through: 5 (nothing collected) fails the run like a failed test does.
 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/system "$@"

@@ -86,6 +86,10 @@ class PeerProcess:
     proc: subprocess.Popen | None = None
     status: dict = field(default_factory=dict)
     restarts: int = 0
+    # Where it listens, and the network namespace (`ip netns`) it runs in, None for the caller's:
+    # a chaos test puts peers on both ends of a shaped link.
+    host: str = "127.0.0.1"
+    netns: str | None = None
 
     @property
     def socket(self) -> Path:
@@ -101,7 +105,7 @@ class PeerProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -193,14 +197,17 @@ class LocalSwarm:
             self.wait_ready([peer])
         return peer
 
-    def spawn(self, port: int | None = None, bootstrap: tuple[str, ...] = (), name: str | None = None) -> PeerProcess:
+    def spawn(self, port: int | None = None, bootstrap: tuple[str, ...] = (), name: str | None = None,
+              host: str = "127.0.0.1", netns: str | None = None) -> PeerProcess:
         """Start one daemon and return at once (see `wait_ready`). Call from a long-lived thread:
-        the daemon is SIGKILLed by the kernel when the calling thread exits."""
+        the daemon is SIGKILLed by the kernel when the calling thread exits. With `netns` it runs
+        inside that namespace (`ip netns exec` execs in place, so the pid, the session and the
+        death signal are still the daemon's) and listens on `host` there."""
         with self._lock:
             if self._closed:
                 raise SwarmError("this local swarm is closed")
             name = name or f"peer{len(self.peers)}"
-            peer = PeerProcess(name, self.root / name, port or free_port(), bootstrap)
+            peer = PeerProcess(name, self.root / name, port or free_port(), bootstrap, host=host, netns=netns)
             self.peers.append(peer)
             self._launch(peer)
         return peer
@@ -208,7 +215,8 @@ class LocalSwarm:
     def _launch(self, peer: PeerProcess) -> None:
         peer.home.mkdir(parents=True, exist_ok=True)
         s = self.settings
-        cmd = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), "-m", "swarmd.cli",
+        enter = ["ip", "netns", "exec", peer.netns] if peer.netns else []
+        cmd = [*enter, sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), "-m", "swarmd.cli",
                "--listen", peer.address, "--socket", str(peer.socket), "--state-dir", str(peer.state_dir),
                "--device", s.device, "--log-level", s.log_level]
         for addr in peer.bootstrap:

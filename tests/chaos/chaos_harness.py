@@ -1,0 +1,260 @@
+"""What every chaos test needs around a `LocalSwarm`: a job to train, waiting on its progress while
+sampling each daemon's memory, and the checks a run must pass however it was abused.
+
+The swarm is driven from the test's own thread by polling (`job.get` on the trainer's daemon):
+chaos is applied at step thresholds, not at times, so a slow, shared machine changes how long a
+run takes but not what it exercises.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from swarmd.client import ControlError, DaemonUnavailable
+from swarmd.exitcodes import EXIT_OK
+from swarmd.swarmproc import FAST_ENV, LocalSwarm, PeerProcess
+
+#: FAST_ENV plus stage announcements refreshed every 2 s (expiring after 8): `job.get` then shows a
+#: peer's step within seconds and forgets a killed one quickly, instead of the WAN's 30 s / 90 s.
+#: Stages are placed by the test alone (`swarmctl serve`): no daemon joins a job's stages on its own
+#: or moves between them, so each disturbance hits the stage the test means.
+CHAOS_ENV = {**FAST_ENV, "SWARMD_DHT_REFRESH_INTERVAL": "2", "SWARMD_DHT_ANNOUNCE_TTL": "8",
+             "SWARMD_JOBS_SERVE": "none", "SWARMD_REBALANCE_ENABLED": "false"}
+
+#: A step takes well under a second here even on a loaded machine; a hung peer costs a heartbeat
+#: timeout (10 s) plus a stage's missing-gradient grace (10 s) before the trainer re-sends around it.
+STEP_TIMEOUT_S = 90.0
+#: A peer that just started has not read the job's record from the DHT yet.
+SERVE_TIMEOUT_S = 30.0
+#: "Memory does not grow without bound", with room for allocator warm-up and a loaded machine:
+#: the late RSS may be at most this factor of the early one, plus a fixed slack.
+RSS_GROWTH_FACTOR = 1.5
+RSS_SLACK_KIB = 96 * 1024
+
+SPEC_TEMPLATE = """name = "{name}"
+seed = 3
+steps = {steps}
+[model]
+arch = "transformer-lm"
+d_model = 32
+n_heads = 2
+layers_per_stage = 1
+vocab = 256
+dropout = 0.0
+[data]
+files = ["{data}"]
+seq_len = 32
+[batch]
+global_samples = 8
+microbatch_samples = 2
+[optim]
+name = "adamw"
+lr = 1e-2
+schedule = "constant"
+clip_norm = 1.0
+[pipeline]
+stages = {stages}
+[checkpoint]
+every_steps = 0
+"""
+
+
+def write_corpus(root: Path) -> Path:
+    """A few hundred KiB of real text: the standard library's json and textwrap sources."""
+    import json as json_module
+    import textwrap
+
+    corpus = root / "corpus.txt"
+    texts = [Path(m.__file__).read_text() for m in (json_module, textwrap)]
+    texts += [p.read_text() for p in sorted(Path(json_module.__file__).parent.glob("*.py"))]
+    corpus.write_text("\n".join(texts))
+    return corpus
+
+
+def spec(name: str, steps: int, stages: int, data: Path) -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads(SPEC_TEMPLATE.format(name=name, steps=steps, stages=stages, data=data))
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes (not this one, not zombies) whose command line contains `text`."""
+    import os
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if text in cmdline and not zombie:
+            found.append(int(entry.name))
+    return found
+
+
+def rss_kib(pid: int | None) -> int | None:
+    """Resident set size of a live process, from /proc (None once it is gone)."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class Run:
+    """One job on a local swarm: its trainer's daemon, its stage peers, and what was observed."""
+
+    swarm: LocalSwarm
+    trainer: PeerProcess
+    job: str
+    steps: int
+    # (peer name, pid) -> [(job step when sampled, RSS KiB)]: a restart is a new process.
+    rss: dict[tuple[str, int], list[tuple[int, int]]] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+    last_step: int = 0  # the job's step at the last poll
+    duplicates: int = 0  # duplicate microbatches summed over the steps' records
+
+    def note(self, text: str) -> None:
+        self.log.append(f"{time.strftime('%H:%M:%S')} step {self.last_step}: {text}")
+        print(self.log[-1], flush=True)
+
+    def view(self) -> dict[str, Any]:
+        return self.trainer.client().job(self.job)
+
+    def sample_memory(self) -> None:
+        for peer in self.swarm.live():
+            kib = rss_kib(peer.pid)
+            if kib is not None:
+                self.rss.setdefault((peer.name, peer.pid), []).append((self.last_step, kib))
+
+    def wait(self, what: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = STEP_TIMEOUT_S) -> dict:
+        """Poll `job.get` (sampling memory each time) until `predicate(view)`; fail with the swarm's story."""
+        deadline = time.monotonic() + timeout
+        while True:
+            view = self.view()
+            self.last_step = view["step"]
+            self.sample_memory()
+            if predicate(view):
+                return view
+            if view["state"] in ("failed", "cancelled"):
+                raise AssertionError(f"job {view['state']} while waiting for {what}\n{self.story()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout:g} s (at step {view['step']}, "
+                                     f"{view['status']})\n{self.story()}")
+            time.sleep(0.3)
+
+    def wait_step(self, step: int, timeout: float = STEP_TIMEOUT_S) -> dict:
+        return self.wait(f"step {step}", lambda v: v["step"] >= step or v["state"] == "done", timeout)
+
+    def serve(self, peer: PeerProcess, stage: int) -> None:
+        """`swarmctl serve JOB --stage I` on that peer; retried while it has not yet seen the job."""
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while True:
+            try:
+                assert peer.client().serve(self.job, stage)["stage"] == stage
+                return
+            except ControlError as exc:
+                if exc.code != "not_found" or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.3)
+
+    def announced(self, view: dict[str, Any], peer: PeerProcess, stage: int) -> dict[str, Any] | None:
+        """The peer's own announcement on that stage in a `job.get` view, if any."""
+        for entry in view["stages"][stage]["peers"]:
+            if entry["peer_id"] == peer.peer_id:
+                return entry
+        return None
+
+    def serving_past(self, view: dict[str, Any], peer: PeerProcess, stage: int, step: int) -> bool:
+        """The peer announces itself serving the stage at a step beyond `step`. Announcements are
+        refreshed every 2 s, so they lag the job by a few steps: only "beyond a step the job had
+        already passed" proves the peer caught up and commits with its mates."""
+        entry = self.announced(view, peer, stage)
+        return entry is not None and entry["state"] == "serving" and entry["step"] > step
+
+    def story(self) -> str:
+        tails = "\n".join(f"--- {p.name} ({'alive' if p.alive else 'dead'}):\n{p.log_tail(15)}"
+                          for p in self.swarm.peers)
+        return "chaos so far:\n" + "\n".join(self.log) + "\n" + tails
+
+
+def submit(swarm: LocalSwarm, trainer: PeerProcess, raw_spec: dict[str, Any], data: Path) -> str:
+    return trainer.client().submit(raw_spec, [str(data)])["job"]
+
+
+def check_steps(run: Run, raw_spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every step committed once, each stage's step record covering at least `global_samples` (and
+    more only by microbatches it reports as duplicates), and the loss going down."""
+    events = [e for e in run.trainer.client().logs(run.job) if e["kind"] == "step"]
+    steps = [e["step"] for e in events]
+    assert steps == list(range(1, run.steps + 1)), f"steps seen: {steps}"
+    batch = raw_spec["batch"]
+    unknown = 0
+    for event in events:
+        for stage, (samples, dups) in enumerate(zip(event["stage_samples"], event["duplicates"])):
+            if samples < 0 or dups < 0:
+                unknown += 1
+                continue
+            # `duplicates` also counts repeats a peer refused and late arrivals it dropped, which are
+            # not in `samples`; only microbatches summed on two peers are, so they bound the excess.
+            assert batch["global_samples"] <= samples <= batch["global_samples"] + dups * batch["microbatch_samples"], (
+                f"step {event['step']} stage {stage}: {samples} samples with {dups} duplicate microbatches")
+    records = len(events) * raw_spec["pipeline"]["stages"]
+    # A record a stage had not published yet when the trainer asked 5 times is reported as -1; rare.
+    assert unknown <= records // 10, f"{unknown} of {records} stage step records unknown"
+    run.duplicates = sum(d for e in events for d in e["duplicates"] if d > 0)
+    losses = [e["loss"] for e in events]
+    head, tail = statistics.mean(losses[:5]), statistics.mean(losses[-5:])
+    assert tail < head - 0.3, f"loss did not decrease: first five {head:.3f}, last five {tail:.3f}"
+    return events
+
+
+def check_memory(run: Run, min_samples: int = 20) -> dict[str, tuple[int, int]]:
+    """For each process sampled often enough: the median RSS of its last fifth against that of its
+    first fifth (after its first sample, which may predate its stage's model) stays bounded."""
+    report = {}
+    for (name, pid), samples in run.rss.items():
+        if len(samples) < min_samples:
+            continue
+        fifth = len(samples) // 5
+        early = statistics.median(k for _, k in samples[1:1 + fifth])
+        late = statistics.median(k for _, k in samples[-fifth:])
+        report[f"{name}/{pid}"] = (int(early), int(late))
+        assert late <= early * RSS_GROWTH_FACTOR + RSS_SLACK_KIB, (
+            f"{name} (pid {pid}) grew from {early / 1024:.0f} MiB to {late / 1024:.0f} MiB over the run")
+    assert report, "no daemon was sampled long enough to judge its memory"
+    return report
+
+
+def drain_all(swarm: LocalSwarm) -> dict[str, int]:
+    """`swarmctl drain` every live daemon, stage peers first and the trainer's last; each must exit 0."""
+    statuses = {}
+    for peer in sorted(swarm.live(), key=lambda p: p.name == "peer0"):
+        try:
+            statuses[peer.name] = swarm.drain(peer)
+        except DaemonUnavailable as exc:
+            statuses[peer.name] = -1
+            print(f"{peer.name}: {exc}\n{peer.log_tail()}")
+    bad = {name: rc for name, rc in statuses.items() if rc != EXIT_OK}
+    assert not bad, f"daemons that did not exit cleanly: {bad}\n" + "\n".join(
+        f"--- {p.name}:\n{p.log_tail()}" for p in swarm.peers if p.name in bad)
+    return statuses
+
+
+def dump(path: Path, run: Run, events: list[dict[str, Any]], memory: dict[str, tuple[int, int]]) -> None:
+    """What the run saw, for a person reading a failure or the docs' figures."""
+    path.write_text(json.dumps({"log": run.log, "memory_kib": memory, "duplicates": run.duplicates,
+                                "losses": [e["loss"] for e in events]}, indent=1) + "\n")

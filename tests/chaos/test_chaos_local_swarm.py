@@ -1,0 +1,108 @@
+"""A real swarm trains through every kind of peer failure one after another, on loopback.
+
+Five `swarmd` processes (the trainer's daemon and two peers on each of two stages) train a small
+byte-level LM while, at step thresholds, a stage peer is SIGKILLed and replaced, another is hung
+with SIGSTOP and resumed with SIGCONT, a third is restarted with its state dir (same identity), and
+a fourth is drained with `swarmctl drain`. The job must still commit every step with every sample
+exactly once, its loss must fall, no daemon's memory may run away, and every daemon must exit 0
+when drained at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import chaos_harness as ch  # noqa: E402
+
+from swarmd.exitcodes import EXIT_OK  # noqa: E402
+from swarmd.swarmproc import LocalSwarm, SwarmSettings  # noqa: E402
+
+#: Steps take a fraction of a second with this model, so every disturbance lands mid-training
+#: with hundreds of steps to spare on a loaded machine (each is checked to happen before the end).
+STEPS = 400
+#: Steps the job must commit after each disturbance before the next one: the swarm has absorbed it.
+SETTLE_STEPS = 10
+
+
+def process_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.slow
+def test_training_survives_kill_hang_restart_and_drain(tmp_path: Path) -> None:
+    """1. Five daemons; peer0 trains, peer1+peer2 serve stage 0, peer3+peer4 stage 1.
+       2. SIGKILL peer1; a fresh peer5 serves stage 0 in its place; the job goes on.
+       3. SIGSTOP peer3 (hung: its sockets stay open, it answers nothing): steps still commit,
+          routed around it, while it stays stopped.
+       4. SIGCONT peer3: it announces, serving, a step past the job's step at the SIGCONT (it caught
+          up from its mate and commits again).
+       5. Restart peer4 (SIGKILL, same state dir and port): while it is down peer3 alone serves
+          stage 1 and steps commit, which proves peer3 really serves again; peer4 comes back with
+          the same peer id, serves stage 1 again and catches up.
+       6. Drain peer2: it exits 0 by itself; peer5 carries stage 0 on.
+       Expected: every one of the steps committed, each stage's record covering global_samples
+       exactly once, the loss lower at the end, every long-lived daemon's RSS bounded, every
+       remaining daemon exits 0 when drained, and no process is left."""
+    data = ch.write_corpus(tmp_path)
+    raw = ch.spec("chaos-local", STEPS, 2, data)
+    swarm = LocalSwarm(tmp_path / "swarm", SwarmSettings(log_level="info", env=ch.CHAOS_ENV))
+    try:
+        trainer, p1, p2, p3, p4 = swarm.start(5)
+        run = ch.Run(swarm, trainer, ch.submit(swarm, trainer, raw, data), STEPS)
+        for peer, stage in ((p1, 0), (p2, 0), (p3, 1), (p4, 1)):
+            run.serve(peer, stage)
+        run.wait_step(SETTLE_STEPS)
+
+        run.note("SIGKILL peer1 (stage 0)")
+        swarm.kill(p1)
+        p5 = swarm.add()
+        run.serve(p5, 0)
+        run.note("peer5 serves stage 0")
+        run.wait_step(run.last_step + SETTLE_STEPS)
+
+        run.note("SIGSTOP peer3 (stage 1)")
+        swarm.stop(p3)
+        hung_at = run.last_step
+        run.wait_step(hung_at + SETTLE_STEPS)
+        assert process_state(p3.pid) == "T", "peer3 must have stayed stopped while the steps committed"
+        run.note(f"{run.last_step - hung_at} steps committed around the hung peer3; SIGCONT")
+        swarm.cont(p3)
+        resumed_at = run.last_step
+        run.wait("peer3 to announce a step past the ones it slept through",
+                 lambda v: run.serving_past(v, p3, 1, resumed_at))
+        run.note("peer3 caught up")
+
+        peer4_id = p4.peer_id
+        run.note("restart peer4 (stage 1)")
+        swarm.restart(p4, wait=False)
+        alone_from = run.last_step
+        run.wait_step(alone_from + SETTLE_STEPS)
+        run.note(f"steps {alone_from}..{run.last_step} committed with peer3 alone on stage 1")
+        swarm.wait_ready([p4])
+        assert p4.peer_id == peer4_id, "a restart with the same state dir is the same peer"
+        run.serve(p4, 1)
+        back_at = run.last_step
+        run.wait("peer4 to serve stage 1 past the step it rejoined at",
+                 lambda v: run.serving_past(v, p4, 1, back_at))
+        run.note("peer4 back and caught up")
+
+        run.note("drain peer2 (stage 0)")
+        assert swarm.drain(p2) == EXIT_OK and not p2.alive
+        drained_at = run.last_step
+        run.wait_step(drained_at + SETTLE_STEPS)
+        assert drained_at + SETTLE_STEPS < STEPS, "every disturbance must land before the job's last step"
+
+        final = run.wait("the job to finish", lambda v: v["state"] == "done", timeout=240)
+        assert final["step"] == STEPS
+        events = ch.check_steps(run, raw)
+        memory = ch.check_memory(run)
+        ch.dump(tmp_path / "chaos-local.json", run, events, memory)
+        print({name: f"{e // 1024}->{late // 1024} MiB" for name, (e, late) in memory.items()})
+        ch.drain_all(swarm)
+    finally:
+        swarm.close()
+    assert ch.processes_mentioning(str(tmp_path)) == []
