@@ -123,8 +123,16 @@ def base_rootfs() -> Path:
     shutil.rmtree(path, ignore_errors=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     say(f"debootstrap {SUITE} from {mirror} (minutes; cached afterwards in {path})")
-    sh(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(scratch), mirror],
-       timeout=1800)
+    argv = ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(scratch), mirror]
+    try:
+        sh(argv, timeout=1800)
+    except HarnessError as first:
+        # A mirror that drops one download fails the whole bootstrap; one fresh retry tells a flaky
+        # network from a broken recipe; a second failure fails the run (the first error is printed above).
+        say(f"debootstrap failed; retrying once from scratch:\n{str(first)[-2000:]}")
+        unmount_under(scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
+        sh(argv, timeout=1800)
     # A container that reads an empty machine-id gets a fresh one on each boot, as nspawn intends.
     (scratch / "etc/machine-id").write_text("")
     _stamp(scratch, key)
