@@ -276,12 +276,15 @@ class JobRegistry:
 
     async def describe(self, job: Job) -> dict[str, Any]:
         stages = await self.stage_peers(job)
-        empty = [s["stage"] for s in stages if not s["peers"]]
+        # A peer only announcing "joining" (automatic joining says so before it starts) or
+        # "draining" takes no work yet: its stage still stalls the job.
+        empty = {s["stage"]: "no peers" if not s["peers"] else "no serving peer yet" for s in stages
+                 if not any(p["state"] == "serving" for p in s["peers"])}
         state = "waiting" if empty and job.state == "running" else job.state
         if job.state in FINAL_STATES:
             status = f"job {job.state}"
         elif empty:
-            status = "waiting: " + ", ".join(f"stage {i} has no peers" for i in empty)
+            status = "waiting: " + ", ".join(f"stage {i} has {why}" for i, why in empty.items())
         else:
             status = f"{job.state}: every stage has peers"
         return {"job": job.job_id.hex(), "name": job.spec.name, "state": state, "status": status,
