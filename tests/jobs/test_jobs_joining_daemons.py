@@ -134,3 +134,27 @@ def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, s
         wait_for(lambda: [p for p in restarted.client.job(job_id)["stages"][stage]["peers"]
                           if p["peer_id"] == restarted.status["peer_id"] and p["state"] == "serving"], 30,
                  "the rejoined stage's announcement")
+
+
+def test_a_restarted_daemon_forgets_a_cancelled_job(swarm, swarm_root: Path, swarmctl) -> None:
+    """Steps: a daemon pins stage 0 of a job by hand (remembered), the submitter cancels the job,
+    the stage's daemon is SIGKILLed and restarted. Expected: it does not rejoin (the job left its
+    submitter's index), and after `jobs.rejoin_wait_s` its served-stages file no longer lists it."""
+    data = swarm_root / "cancelled.txt"
+    data.write_text(Path(json.__file__).read_text())
+    spec_path = swarm_root / "cancelled.toml"
+    spec_path.write_text(SPEC.format(data=data).replace('name = "joining"', 'name = "cancelled"'))
+    submitter = swarm.start("cs")
+    server = swarm.start("cv", "--bootstrap", submitter.status["announce"], env={"SWARMD_JOBS_REJOIN_WAIT_S": "3"})
+    job_id = json.loads(swarmctl("--socket", str(submitter.socket), "--json", "submit", "--trainers", "0",
+                                 str(spec_path)).stdout)["job"]
+    assert swarmctl("--socket", str(server.socket), "serve", job_id, "--stage", "0").returncode == 0
+    memory = swarm_root / "cv" / "state" / "served-stages.json"
+    wait_for(lambda: memory.exists() and json.loads(memory.read_text())["stages"], 10, "the stage remembered")
+    assert swarmctl("--socket", str(submitter.socket), "cancel", job_id).returncode == 0
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    restarted = swarm.restart(server)
+    wait_for(lambda: json.loads(memory.read_text())["stages"] == [], 60, "the cancelled job to be forgotten")
+    assert restarted.client.status()["serving"]["stages"] == []
+    assert "forgetting stage 0" in restarted.log.read_text()
