@@ -325,13 +325,17 @@ class StageService:
                 raise not_ready(f"step {step} arrived; this peer has committed {committed} steps")
             if self._waiting >= self.limits.max_waiting:
                 raise busy(f"{self._waiting} calls already wait for a commit (max_waiting)")
+            # Wake at least every progress_timeout_s to look again whether the stage lost steps
+            # (`_resume_at`): a look can fail on a slow or unreachable peer, and no commit may come.
+            wake = min(until, now + self.limits.progress_timeout_s)
             self._waiting += 1
             try:
-                async with asyncio.timeout_at(until):
+                async with asyncio.timeout_at(wake):
                     await self._committed_event.wait()
             except TimeoutError:
-                raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
-                                f"and did not commit in time") from None
+                if wake >= until:
+                    raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
+                                    f"and did not commit in time") from None
             finally:
                 self._waiting -= 1
 
@@ -343,27 +347,31 @@ class StageService:
         again (the trainers hold only step s), so waiting for their commits deadlocks the job. The
         updates of those steps are lost with the peers that held them; the stage takes up the
         swarm's step with its checkpointed parameters (the LR schedule continues at s), as a
-        pipeline resumed from per-stage checkpoints must. Allowed only when no live stage-mate is
-        ahead (then downloading its state is right, and the sync loop does it) and a peer of
-        another stage has committed `target` steps, so one confused trainer cannot push a stage
-        forward on its word alone. True when this peer now accepts work for `target`.
+        pipeline resumed from per-stage checkpoints must.
+
+        Allowed only when this peer is not mid-step (no round running, no gradient held for its
+        current step), no live stage-mate is ahead by a fresh poll (then downloading its state is
+        right, and the sync loop does it: this is also the everyday case of a peer that commits a
+        moment after its mates, which must never skip), and a peer of another stage has committed
+        `target` steps, so one confused trainer cannot push a stage forward on its word alone.
+        True when this peer now accepts work for `target`.
         """
         async with self._resume_lock:
             if self.committed >= target:
                 return True
-            if target >= self.spec.steps:
+            if target >= self.spec.steps or self._mid_step() or self.sync.mate_ahead():
                 return False
-            if self.sync.mate_ahead():
-                return False  # a mate holds newer state: StageSync.tick downloads it
-            if self.spec.pipeline.stages > 1:
-                # A directory backed by the DHT fails in many ways; a failed look is a "not now".
-                try:
-                    evidence = await self._other_stages_step()
-                except Exception as exc:  # noqa: BLE001
-                    log.debug("stage %d: cannot read the other stages' steps: %s", self.stage_index, exc)
-                    return False
-                if evidence < target:
-                    return False
+            # A directory backed by the DHT fails in many ways; a failed look is a "not now".
+            try:
+                mates = await self.sync.poll()
+                if any(m.state == "serving" and m.step > self.committed for m in mates):
+                    return False  # a mate holds newer state: StageSync.tick downloads it
+                evidence = await self._other_stages_step() if self.spec.pipeline.stages > 1 else target
+            except Exception as exc:  # noqa: BLE001
+                log.debug("stage %d: cannot check whether the swarm is ahead: %s", self.stage_index, exc)
+                return False
+            if evidence < target or self.committed >= target or self._mid_step():
+                return self.committed >= target  # the world moved while we looked: decide afresh
             lost_from = self.committed
 
             def jump() -> None:
@@ -378,6 +386,11 @@ class StageService:
                         lost_from, target - 1)
             self._notify_commit()
             return True
+
+    def _mid_step(self) -> bool:
+        """Is this peer taking part in its current step (a round, gradients held, a download)?"""
+        return (self.state != "serving" or self.sync.in_round
+                or bool(self.accumulator.progress(self.committed).ids))
 
     async def _other_stages_step(self) -> int:
         """The most steps any live peer of another stage of the job has committed (-1: none answers)."""

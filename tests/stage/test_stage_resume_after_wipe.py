@@ -95,3 +95,27 @@ async def test_a_stage_with_a_mate_ahead_downloads_rather_than_skips(kit, client
     finally:
         await behind.close()
         await ahead.close()
+
+
+async def test_a_peer_holding_gradients_of_its_step_never_skips(kit, client, tmp_path):
+    """Steps: as above (stage 0 at step 4, stage 1 restored at 2), but stage 1 first receives one
+    microbatch of its own step 2; then a backward for step 4 arrives. Expected: it is not taken up
+    (not_ready; the peer is mid-step: skipping would drop work of a step still being made), and
+    the step-2 gradient is still held."""
+    spec = kit.make_spec(stages=3, every=2)
+    witness_dir, wiped_dir = tmp_path / "witness", tmp_path / "wiped"
+    plant_checkpoint(spec, witness_dir, kit, 0, 4)
+    plant_checkpoint(spec, wiped_dir, kit, STAGE, 2)
+    directory = StaticDirectory()
+    witness = await kit.start_peer(spec, 0, 1, directory, state_dir=witness_dir)
+    restored = await kit.start_peer(spec, STAGE, 2, directory, state_dir=wiped_dir)
+    try:
+        await kit.call(client, restored, "stage.backward", STAGE, 2, 8, list(inputs(2, 0)))
+        with pytest.raises(RemoteError) as refused:
+            await kit.call(client, restored, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)), timeout=3.0)
+        assert refused.value.code == "not_ready"
+        assert restored.service.committed == 2 and not restored.service.skipped
+        assert restored.service.accumulator.progress(2).ids == {8}
+    finally:
+        await restored.close()
+        await witness.close()
