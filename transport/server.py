@@ -18,7 +18,7 @@ from .config import RpcConfig
 from .connection import Admit, Connection
 from .gate import HelloGate
 from .message import Router
-from .ratelimit import RateLimiter
+from .ratelimit import PeerCalls, RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,11 @@ class RpcServer:
     def unproven_connections(self) -> int:
         """Connections still in their hello (what `max_unproven_connections` bounds)."""
         return self._gate.pending
+
+    def peer_calls(self) -> dict[Any, PeerCalls]:
+        """Per-peer call counts of the rate limiter (peer id bytes, or ("source", host) when
+        anonymous): who was refused how often; empty when rate limiting is off."""
+        return {} if self._limiter is None else self._limiter.calls()
 
     def _make_connection(self) -> Connection:
         conn = Connection(

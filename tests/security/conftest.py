@@ -1,5 +1,9 @@
 """Shared by the hostile-peer tests: a tiny two-stage job, honest stage peers in this process on
-loopback, and one hostile stage peer (tests/security/hostile_peer.py) in a process of its own."""
+loopback, and one hostile peer (tests/security/hostile_peer.py) in a process of its own: a stage
+peer that lies, or an attacker aimed at one honest peer's address.
+
+With `rpc` settings (e.g. a rate limit) every honest server, pool and the trainer's pool is built
+with them and with an identity of its own, as in the daemon, so the transport can tell peers apart."""
 
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from swarmd.job import load_spec, open_training_data
 from swarmd.stage import StageLimits, StageServer, StageService
 from swarmd.train.trainer import TrainerConfig
 from swarmd.train.wiring import WiringConfig
-from transport.rpc import Message, Pool, Router, RpcServer
+from transport.identity import Identity
+from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
 
 torch.set_num_threads(1)
 
@@ -91,6 +96,21 @@ class HostileProcess:
     addr: str
     announcement: dict
     process: asyncio.subprocess.Process
+    transport_id: bytes | None  # the peer id its connections prove, when it dials as itself
+    finished: dict | None = None
+
+    async def finish(self) -> dict | None:
+        """Close its stdin and wait for it; an attacker's report of what it saw (None for a stage peer)."""
+        if self.process.returncode is None and not self.process.stdin.is_closing():
+            self.process.stdin.close()
+            line = await asyncio.wait_for(self.process.stdout.readline(), 30)
+            self.finished = json.loads(line) if line.strip() else None
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        return self.finished
 
 
 @dataclass
@@ -98,6 +118,7 @@ class Swarm:
     spec: object
     job_path: Path
     limits: StageLimits
+    rpc: dict = field(default_factory=dict)
     directory: StaticDirectory = field(default_factory=StaticDirectory)
     honest: list[Honest] = field(default_factory=list)
     hostile: list[HostileProcess] = field(default_factory=list)
@@ -106,11 +127,18 @@ class Swarm:
         current = await self.directory.peers(JOB_ID, stage)
         self.directory.set(JOB_ID, stage, [*current, StagePeer(peer_id, addr, stage)])
 
+    def rpc_config(self, seed: bytes | None = None) -> RpcConfig:
+        if not self.rpc:
+            return RpcConfig()
+        identity = Identity.from_seed(seed) if seed is not None else Identity.generate()
+        return RpcConfig(identity=identity, **self.rpc)
+
     async def add_honest(self, stage: int, k: int) -> Honest:
         router = Router()
-        rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
-        pool = Pool()
         peer_id = bytes([stage, k]) * 16
+        config = self.rpc_config(peer_id)
+        rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=config)
+        pool = Pool(config)
         addr = f"{rpc.address[0]}:{rpc.address[1]}"
         service = StageService(self.spec, JOB_ID, stage, peer_id, StageServer(router), pool, self.directory,
                                address=addr, limits=self.limits)
@@ -120,31 +148,33 @@ class Swarm:
         self.honest.append(peer)
         return peer
 
-    async def add_hostile(self, stage: int, mode: str) -> HostileProcess:
-        """Start the hostile peer after its honest mates: it is told them on its command line."""
+    async def add_hostile(self, stage: int, mode: str, target: str = "") -> HostileProcess:
+        """Start the hostile peer after its honest mates: it is told them on its command line. An
+        attacker (`target` set) is not announced: it is no stage peer, only a peer of the swarm."""
         peer_id = bytes([stage, 0xEE]) * 16
         mates = ",".join(f"{p.peer_id.hex()}@{p.addr}" for p in self.honest if p.stage == stage)
         limits = {k: v for k, v in asdict(self.limits).items() if v is not None}
         process = await asyncio.create_subprocess_exec(
             sys.executable, str(HOSTILE), "--job", str(self.job_path), "--job-id", JOB_ID.hex(),
             "--stage", str(stage), "--peer-id", peer_id.hex(), "--mode", mode, "--mates", mates,
-            "--limits", json.dumps(limits), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            "--limits", json.dumps(limits), "--target", target, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": str(REPO)})
         line = await asyncio.wait_for(process.stdout.readline(), 60)
         if not line:
             raise RuntimeError(f"the hostile peer ({mode}) exited with {await process.wait()}")
         ready = json.loads(line)
-        await self.announce(stage, peer_id, ready["addr"])
-        hostile = HostileProcess(peer_id, stage, ready["addr"], ready["announcement"], process)
+        if not target:
+            await self.announce(stage, peer_id, ready["addr"])
+        transport_id = bytes.fromhex(ready["transport_id"]) if ready["transport_id"] else None
+        hostile = HostileProcess(peer_id, stage, ready["addr"], ready["announcement"], process, transport_id)
         self.hostile.append(hostile)
         return hostile
 
     async def close(self) -> None:
         for h in self.hostile:
-            h.process.stdin.close()
             try:
-                await asyncio.wait_for(h.process.wait(), 10)
-            except TimeoutError:
+                await h.finish()
+            except (TimeoutError, ValueError):
                 h.process.kill()
                 await h.process.wait()
         for p in self.honest:
@@ -156,23 +186,25 @@ class Swarm:
 @pytest.fixture
 async def hostile_swarm(tmp_path):
     """`await hostile_swarm(honest_per_stage, hostile_stage, mode, limits)`: the honest peers of
-    both stages, then the hostile one; everything is closed at the end of the test."""
+    both stages, then the hostile one; everything is closed at the end of the test. `target(swarm)`
+    picks the address an attacking mode attacks; `rpc` is RpcConfig settings for every honest
+    server and pool (and the returned trainer pool)."""
     made: list[Swarm] = []
     pools: list[Pool] = []
 
     async def start(honest_per_stage: int, hostile_stage: int, mode: str, limits: StageLimits = LIMITS,
-                    steps: int = 6) -> tuple[Swarm, object, Pool]:
+                    steps: int = 6, rpc: dict | None = None, target=None) -> tuple[Swarm, object, Pool]:
         job_path = tmp_path / "job.toml"
         job_path.write_text(JOB.format(steps=steps))
         spec = load_spec(job_path)
         data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, tmp_path)
-        swarm = Swarm(spec, job_path, limits)
+        swarm = Swarm(spec, job_path, limits, rpc or {})
         made.append(swarm)
         for stage in range(spec.pipeline.stages):
             for k in range(honest_per_stage):
                 await swarm.add_honest(stage, k)
-        await swarm.add_hostile(hostile_stage, mode)
-        pools.append(Pool())
+        await swarm.add_hostile(hostile_stage, mode, target(swarm) if target else "")
+        pools.append(Pool(swarm.rpc_config()))
         return swarm, data, pools[-1]
 
     try:

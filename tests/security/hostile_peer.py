@@ -9,7 +9,14 @@ lies in exactly one way, chosen by `--mode`:
 - `outlier`: the gradient sums it brings to the all-reduce are multiplied by 1e3;
 - `liar`: it claims 1e9 samples/s in `stage.info` and its announcement, and is in fact slow.
 
-It prints one JSON line (`addr`, `announcement`) once serving, and stops when stdin closes.
+Other modes do not serve a stage at all; they attack one address (`--target`) of the swarm:
+
+- `flood`: a peer with a valid identity of its own calls `stage.info` on the target from
+  `FLOOD_CALLERS` concurrent loops as fast as it gets answers.
+
+It prints one JSON line (`addr`, `announcement`, `transport_id`: the peer id its connections prove)
+once serving or attacking, and stops when stdin closes; an attacker then prints a second line with
+what it saw (for `flood`: calls answered `ok`, refused `rate_limited`, failed `other`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,13 @@ import torch
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import load_spec
 from swarmd.stage import StageLimits, StageServer, StageService
-from transport.rpc import Message, Pool, Request, Router, RpcServer
+from transport.errors import RemoteError
+from transport.identity import Identity
+from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 
 CLAIMED_SAMPLES_PER_S = 1e9
+FLOOD_CALLERS = 8
+ATTACKS = ("flood",)
 OUTLIER_SCALE = 1e3
 LIAR_DELAY_S = 0.05
 
@@ -74,19 +85,62 @@ class HostileService(StageService):
         return {**claim, "samples_per_s": CLAIMED_SAMPLES_PER_S} if self.mode == "liar" else claim
 
 
+async def until_stdin_closes() -> None:
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+
+async def flood(pool: Pool, target: str, job_id: bytes, stage: int, stop: asyncio.Event) -> dict:
+    counts = {"ok": 0, "rate_limited": 0, "other": 0}
+    message = Message({"job": job_id, "stage": stage}, codec="none")
+
+    async def caller() -> None:
+        while not stop.is_set():
+            try:
+                await pool.call(target, "stage.info", message, timeout=10)
+                counts["ok"] += 1
+            except RemoteError as exc:
+                counts["rate_limited" if exc.code == "rate_limited" else "other"] += 1
+            except (ConnectionError, OSError, TimeoutError):
+                counts["other"] += 1
+                await asyncio.sleep(0.05)
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(FLOOD_CALLERS):
+            tg.create_task(caller())
+    return counts
+
+
+async def attack(args: argparse.Namespace, job_id: bytes) -> None:
+    identity = Identity.generate()
+    pool = Pool(RpcConfig(identity=identity))
+    print(json.dumps({"addr": args.target, "announcement": {}, "transport_id": identity.peer_id.hex()}), flush=True)
+    stop = asyncio.Event()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            result = tg.create_task(flood(pool, args.target, job_id, args.stage, stop))
+            await until_stdin_closes()
+            stop.set()
+        print(json.dumps(result.result()), flush=True)
+    finally:
+        await pool.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", required=True)
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--peer-id", required=True)
-    parser.add_argument("--mode", choices=("garbage", "nan", "outlier", "liar"), required=True)
+    parser.add_argument("--mode", choices=("garbage", "nan", "outlier", "liar", "flood"), required=True)
+    parser.add_argument("--target", default="", help="host:port an attacking mode attacks")
     parser.add_argument("--mates", default="", help="peer_id_hex@host:port,... of its stage-mates")
     parser.add_argument("--limits", default="{}", help="StageLimits fields as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = load_spec(args.job)
     job_id, peer_id = bytes.fromhex(args.job_id), bytes.fromhex(args.peer_id)
+    if args.mode in ATTACKS:
+        return await attack(args, job_id)
     router = Router()
     rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
     addr = f"{rpc.address[0]}:{rpc.address[1]}"
@@ -98,9 +152,9 @@ async def main() -> None:
     service = HostileService(spec, job_id, args.stage, peer_id, StageServer(router), pool, directory,
                              address=addr, limits=StageLimits(**json.loads(args.limits)))
     await service.start()
-    print(json.dumps({"addr": addr, "announcement": service.announcement()}), flush=True)
+    print(json.dumps({"addr": addr, "announcement": service.announcement(), "transport_id": None}), flush=True)
     try:
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await until_stdin_closes()
     finally:
         await service.stop()
         await rpc.close()
