@@ -255,12 +255,15 @@ class Connection(asyncio.Protocol):
             self._gate_source = source
         transport.set_write_buffer_limits(high=self._config.write_buffer_bytes)
         self._writelines = self._socket_writelines()
-        self._handshake_timer = self._loop.call_later(
-            self._config.handshake_timeout_s,
-            lambda: self._refuse(HandshakeError(f"no hello within {self._config.handshake_timeout_s} s")),
-        )
+        self._handshake_timer = self._loop.call_later(self._config.handshake_timeout_s, self._hello_overdue)
         self._send_control(encode_frame(Kind.HELLO, {"hello": self._handshake.hello_bytes()}))
         self._tasks.spawn(self._write_loop(), "writer")
+
+    def _hello_overdue(self) -> None:
+        """The handshake deadline: logged with the address, since a slow-loris has no proven id."""
+        error = HandshakeError(f"no hello within {self._config.handshake_timeout_s} s")
+        log.info("hello with %s failed: %s", self._address, error)
+        self._refuse(error)
 
     def _socket_writelines(self) -> Callable[[list[Piece]], None]:
         assert self._transport is not None

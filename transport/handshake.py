@@ -219,7 +219,8 @@ class Handshake:
             if not isinstance(sig, bytes) or len(sig) != SIGNATURE_BYTES:
                 raise HandshakeError("peer announced a public key but sent no valid signature")
             if not verify(self._theirs.public_key, sig, their_role + self._transcript):
-                raise HandshakeError("peer's signature does not verify: it does not hold its key")
+                raise HandshakeError(f"peer claims id {peer_id_of(self._theirs.public_key).hex()} but its signature "
+                                     "does not verify: it does not hold that key")
             peer_id = peer_id_of(self._theirs.public_key)
         elif sig is not None:
             raise HandshakeError("anonymous peer sent a signature")

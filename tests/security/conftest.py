@@ -148,7 +148,7 @@ class Swarm:
         self.honest.append(peer)
         return peer
 
-    async def add_hostile(self, stage: int, mode: str, target: str = "") -> HostileProcess:
+    async def add_hostile(self, stage: int, mode: str, target: str = "", victim_key: bytes = b"") -> HostileProcess:
         """Start the hostile peer after its honest mates: it is told them on its command line. An
         attacker (`target` set) is not announced: it is no stage peer, only a peer of the swarm."""
         peer_id = bytes([stage, 0xEE]) * 16
@@ -157,7 +157,8 @@ class Swarm:
         process = await asyncio.create_subprocess_exec(
             sys.executable, str(HOSTILE), "--job", str(self.job_path), "--job-id", JOB_ID.hex(),
             "--stage", str(stage), "--peer-id", peer_id.hex(), "--mode", mode, "--mates", mates,
-            "--limits", json.dumps(limits), "--target", target, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            "--limits", json.dumps(limits), "--target", target,
+            "--victim-key", victim_key.hex(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": str(REPO)})
         line = await asyncio.wait_for(process.stdout.readline(), 60)
         if not line:
@@ -187,13 +188,13 @@ class Swarm:
 async def hostile_swarm(tmp_path):
     """`await hostile_swarm(honest_per_stage, hostile_stage, mode, limits)`: the honest peers of
     both stages, then the hostile one; everything is closed at the end of the test. `target(swarm)`
-    picks the address an attacking mode attacks; `rpc` is RpcConfig settings for every honest
+    picks the address an attacking mode attacks, `victim(swarm)` the public key `spoof` claims; `rpc` is RpcConfig settings for every honest
     server and pool (and the returned trainer pool)."""
     made: list[Swarm] = []
     pools: list[Pool] = []
 
     async def start(honest_per_stage: int, hostile_stage: int, mode: str, limits: StageLimits = LIMITS,
-                    steps: int = 6, rpc: dict | None = None, target=None) -> tuple[Swarm, object, Pool]:
+                    steps: int = 6, rpc: dict | None = None, target=None, victim=None) -> tuple[Swarm, object, Pool]:
         job_path = tmp_path / "job.toml"
         job_path.write_text(JOB.format(steps=steps))
         spec = load_spec(job_path)
@@ -203,7 +204,8 @@ async def hostile_swarm(tmp_path):
         for stage in range(spec.pipeline.stages):
             for k in range(honest_per_stage):
                 await swarm.add_honest(stage, k)
-        await swarm.add_hostile(hostile_stage, mode, target(swarm) if target else "")
+        await swarm.add_hostile(hostile_stage, mode, target(swarm) if target else "",
+                                victim(swarm) if victim else b"")
         pools.append(Pool(swarm.rpc_config()))
         return swarm, data, pools[-1]
 

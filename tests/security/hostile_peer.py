@@ -12,7 +12,12 @@ lies in exactly one way, chosen by `--mode`:
 Other modes do not serve a stage at all; they attack one address (`--target`) of the swarm:
 
 - `flood`: a peer with a valid identity of its own calls `stage.info` on the target from
-  `FLOOD_CALLERS` concurrent loops as fast as it gets answers.
+  `FLOOD_CALLERS` concurrent loops as fast as it gets answers;
+- `spoof`: it dials the target again and again claiming the peer id of `--victim-key` (a public
+  key it does not hold), and tries `stage.info` on each connection;
+- `slowloris`: from source address `SLOWLORIS_SOURCE` it keeps `SLOWLORIS_CONNECTIONS` connections
+  open to the target, trickling one byte of a hello every `SLOWLORIS_TRICKLE_S`, and opens a new
+  one whenever the target drops one.
 
 It prints one JSON line (`addr`, `announcement`, `transport_id`: the peer id its connections prove)
 once serving or attacking, and stops when stdin closes; an attacker then prints a second line with
@@ -31,13 +36,18 @@ import torch
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import load_spec
 from swarmd.stage import StageLimits, StageServer, StageService
-from transport.errors import RemoteError
-from transport.identity import Identity
+from transport.errors import HandshakeError, RemoteError
+from transport.identity import Identity, peer_id_of
 from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 
 CLAIMED_SAMPLES_PER_S = 1e9
 FLOOD_CALLERS = 8
-ATTACKS = ("flood",)
+ATTACKS = ("flood", "spoof", "slowloris")
+SPOOF_PAUSE_S = 0.05
+SLOWLORIS_SOURCE = "127.0.0.2"  # another loopback address: its per-source quota is not the swarm's
+SLOWLORIS_CONNECTIONS = 24
+SLOWLORIS_TRICKLE_S = 0.2
+SLOWLORIS_REDIAL_S = 0.02  # not a tight loop: the test machine's cores are shared with the swarm
 OUTLIER_SCALE = 1e3
 LIAR_DELAY_S = 0.05
 
@@ -110,14 +120,78 @@ async def flood(pool: Pool, target: str, job_id: bytes, stage: int, stop: asynci
     return counts
 
 
+async def spoof(pool: Pool, target: str, job_id: bytes, stage: int, stop: asyncio.Event) -> dict:
+    """Each call dials afresh (a refused hello leaves no connection) and must fail in the hello."""
+    counts = {"refused_hello": 0, "answered": 0, "other": 0}
+    message = Message({"job": job_id, "stage": stage}, codec="none")
+    while not stop.is_set():
+        try:
+            await pool.call(target, "stage.info", message, timeout=10)
+            counts["answered"] += 1
+        except HandshakeError:
+            counts["refused_hello"] += 1
+        except Exception:  # noqa: BLE001 - anything else is reported to the test, which expects none
+            counts["other"] += 1
+        await asyncio.sleep(SPOOF_PAUSE_S)
+    return counts
+
+
+async def slowloris(target: str, stop: asyncio.Event) -> dict:
+    """Count connections the target dropped after we held them (its deadline) and at once (its quota)."""
+    host, port = target.rsplit(":", 1)
+    counts = {"dropped_after_hold": 0, "dropped_at_once": 0, "connect_failed": 0}
+
+    async def holder() -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port), local_addr=(SLOWLORIS_SOURCE, 0))
+            except OSError:
+                counts["connect_failed"] += 1
+                await asyncio.sleep(SLOWLORIS_TRICKLE_S)
+                continue
+            held = 0
+            try:
+                while not stop.is_set():
+                    writer.write(b"\x00")
+                    await writer.drain()
+                    try:
+                        # Whatever the target says (its hello, a refusal) is read and ignored; EOF is the drop.
+                        if await asyncio.wait_for(reader.read(65536), SLOWLORIS_TRICKLE_S) == b"":
+                            break
+                    except TimeoutError:
+                        held += 1
+            except OSError:
+                pass
+            finally:
+                writer.close()
+            if not stop.is_set():
+                counts["dropped_after_hold" if held >= 2 else "dropped_at_once"] += 1
+                await asyncio.sleep(SLOWLORIS_REDIAL_S)
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(SLOWLORIS_CONNECTIONS):
+            tg.create_task(holder())
+    return counts
+
+
 async def attack(args: argparse.Namespace, job_id: bytes) -> None:
     identity = Identity.generate()
+    if args.mode == "spoof":
+        victim = bytes.fromhex(args.victim_key)
+        # Our own private key behind the victim's public key: the hello claims its id, the
+        # signature cannot match.
+        identity = Identity(identity.private_key, victim, peer_id_of(victim))
     pool = Pool(RpcConfig(identity=identity))
     print(json.dumps({"addr": args.target, "announcement": {}, "transport_id": identity.peer_id.hex()}), flush=True)
     stop = asyncio.Event()
+    work = {
+        "flood": lambda: flood(pool, args.target, job_id, args.stage, stop),
+        "spoof": lambda: spoof(pool, args.target, job_id, args.stage, stop),
+        "slowloris": lambda: slowloris(args.target, stop),
+    }[args.mode]
     try:
         async with asyncio.TaskGroup() as tg:
-            result = tg.create_task(flood(pool, args.target, job_id, args.stage, stop))
+            result = tg.create_task(work())
             await until_stdin_closes()
             stop.set()
         print(json.dumps(result.result()), flush=True)
@@ -131,8 +205,9 @@ async def main() -> None:
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--peer-id", required=True)
-    parser.add_argument("--mode", choices=("garbage", "nan", "outlier", "liar", "flood"), required=True)
-    parser.add_argument("--target", default="", help="host:port an attacking mode attacks")
+    parser.add_argument("--mode", choices=("garbage", "nan", "outlier", "liar", *ATTACKS), required=True)
+    parser.add_argument("--target", default="", help="host:port an attacking mode attacks (required by those)")
+    parser.add_argument("--victim-key", default="", help="hex public key whose peer id `spoof` claims")
     parser.add_argument("--mates", default="", help="peer_id_hex@host:port,... of its stage-mates")
     parser.add_argument("--limits", default="{}", help="StageLimits fields as JSON")
     args = parser.parse_args()
@@ -140,6 +215,8 @@ async def main() -> None:
     spec = load_spec(args.job)
     job_id, peer_id = bytes.fromhex(args.job_id), bytes.fromhex(args.peer_id)
     if args.mode in ATTACKS:
+        if not args.target:
+            parser.error(f"--mode {args.mode} needs --target")
         return await attack(args, job_id)
     router = Router()
     rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
