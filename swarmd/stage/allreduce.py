@@ -9,12 +9,18 @@ in messages of bounded size; each carries the sender's microbatch ids and sample
 member checks the round covers the whole step from the same data and reaches the same verdict.
 
 The mailbox buffers parts for at most `max_open_rounds` rounds, each allocated from the local
-parameter count (never from sizes a sender announces), so a mate cannot make us hold more.
+parameter count (never from sizes a sender announces), so a mate cannot make us hold more. It also
+remembers the ids of the rounds it closed here (failed, aborted, finished): parts of one travel on
+other members' connections and can arrive after it closed, or after an abort that overtook them,
+and a box opened for them would be an orphan that nobody ever closes. Enough orphans fill the
+mailbox, every new round of the step is refused `busy`, each refusal fails a round and leaves more
+late parts behind: the stage sticks at that step. Late parts are refused instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -111,12 +117,20 @@ class RoundBox:
 class Mailbox:
     """Round boxes by round id; a part may arrive before its receiver has started the round."""
 
-    def __init__(self, max_open: int, expire_s: float) -> None:
+    def __init__(self, max_open: int, expire_s: float, closed_kept: int) -> None:
         self._max_open = max_open
         self._expire_s = expire_s  # a round nobody finished by then is over on every member
         self._boxes: dict[bytes, RoundBox] = {}
+        self._closed: OrderedDict[bytes, None] = OrderedDict()  # newest last, at most closed_kept
+        self._closed_kept = closed_kept
+
+    @property
+    def open_rounds(self) -> int:
+        return len(self._boxes)
 
     def box(self, round_id: bytes, step: int, members: list[bytes], me: bytes, numel: int) -> RoundBox:
+        if round_id in self._closed:
+            raise busy(f"all-reduce round {round_id.hex()[:8]} is already closed on this peer")
         box = self._boxes.get(round_id)
         if box is not None:
             if box.members != members or box.step != step:
@@ -126,7 +140,7 @@ class Mailbox:
             raise bad_input("round members must be distinct, sorted, and include this peer")
         now = asyncio.get_running_loop().time()
         for stale in [r for r, b in self._boxes.items() if b.step < step or now - b.created > self._expire_s]:
-            self._boxes.pop(stale).fail("superseded by a later step or expired")
+            self.drop(stale, "superseded by a later step or expired")
         if len(self._boxes) >= self._max_open:
             raise busy(f"{len(self._boxes)} all-reduce rounds already open (max_open_rounds)")
         box = self._boxes[round_id] = RoundBox(round_id, step, members, members.index(me), numel)
@@ -136,11 +150,21 @@ class Mailbox:
         return self._boxes.get(round_id)
 
     def drop(self, round_id: bytes, reason: str = "round closed") -> None:
+        """Close the round here for good (its box, if it has one, fails with `reason`); an id
+        never seen is remembered too, so an abort that overtakes the round's parts still counts."""
+        self._closed[round_id] = None
+        self._closed.move_to_end(round_id)
+        while len(self._closed) > self._closed_kept:
+            self._closed.popitem(last=False)
         box = self._boxes.pop(round_id, None)
         if box is not None and box.failure is None:
             box.fail(reason)
 
+    def retire(self, step: int) -> None:
+        """The peer committed `step`: rounds of it and earlier can never finish; free their buffers now."""
+        for old in [r for r, b in self._boxes.items() if b.step <= step]:
+            self.drop(old, f"step {step} is committed")
+
     def fail_all(self, reason: str) -> None:
-        for box in self._boxes.values():
-            box.fail(reason)
-        self._boxes.clear()
+        for round_id in list(self._boxes):
+            self.drop(round_id, reason)

@@ -67,6 +67,10 @@ class StageLimits:
     outlier_factor: float = 2.0
     # Rounds a peer buffers parts for at once (its own plus one a mate started first).
     max_open_rounds: int = 2
+    # Ids of rounds closed here (finished, failed, aborted) remembered so that their late parts are
+    # refused rather than opening a box nobody closes; 16 bytes each. A step rarely sees more than
+    # a few failed rounds, and the set is only a backstop beyond that (boxes also expire).
+    closed_rounds_kept: int = 256
     # Largest payload of one `stage.state` message (parameters and optimizer state for joiners).
     state_chunk_bytes: int = 4 * MiB
     # `stage.state` downloads served at once: each holds a full copy of the stage's state.

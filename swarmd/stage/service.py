@@ -412,6 +412,7 @@ class StageService:
         return max(await asyncio.gather(*(step_of(stage, addr) for stage, addr in addrs)), default=-1)
 
     def _notify_commit(self) -> None:
+        self.sync.mailbox.retire(self.committed - 1)  # rounds of steps behind us can never finish
         event, self._committed_event = self._committed_event, asyncio.Event()
         event.set()
 

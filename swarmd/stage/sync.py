@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from swarmd.stage.allreduce import Contribution, Mailbox
+from swarmd.stage.allreduce import Contribution, Mailbox, RoundBox
 from swarmd.stage.errors import RoundFailed, bad_input, busy
 from swarmd.stage.robust import CENTERED_CLIP, centered_clip
 from transport.codecs import decode_tensor, encode_tensor
@@ -46,7 +47,8 @@ class MateView:
 class StageSync:
     def __init__(self, service: "StageService") -> None:
         self.s = service
-        self.mailbox = Mailbox(service.limits.max_open_rounds, service.limits.round_timeout_s)
+        self.mailbox = Mailbox(service.limits.max_open_rounds, service.limits.round_timeout_s,
+                               service.limits.closed_rounds_kept)
         self.in_round = False
         self.missing: list[int] = []  # ids some live peer once held for this step, none holds now
         self.uncovered: list[int] = []  # ids of this step no live peer holds
@@ -208,16 +210,16 @@ class StageSync:
                 lo, hi = box.bounds[me]
                 box.put_part(me, 0, flat[lo:hi], mine)
                 head = {"ids": sorted(mine.ids), "samples": mine.samples}
-                await self._send(round_id, step, members, "stage.sync.reduce",
-                                 lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head)
+                await _unless_failed(box, self._send(round_id, step, members, "stage.sync.reduce",
+                                                     lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head))
                 await box.wait(box.reduced_ready)
                 reduced, outliers = await self.s.in_aux(_reduce_shard, box, self.s.limits, self.s.numel)
                 union = frozenset().union(*(c.ids for c in box.contributions.values()))
                 if union != frozenset(self.s.step_ids(step)):
                     raise RoundFailed(f"the round covers {len(union)} of {self.s.microbatches} microbatches")
                 box.put_gather(me, 0, reduced, outliers)
-                await self._send(round_id, step, members, "stage.sync.gather", lambda j: reduced,
-                                 {"outliers": outliers})
+                await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
+                                                     lambda j: reduced, {"outliers": outliers}))
                 await box.wait(box.gathered_ready)
             cross = sum(len(c.ids) for c in box.contributions.values()) - len(union)
             samples = sum(c.samples for c in box.contributions.values())
@@ -262,6 +264,8 @@ class StageSync:
             raise RoundFailed(f"{method} to a member failed: {type(first).__name__}: {first}") from None
 
     async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]]) -> None:
+        # Closed here first: parts members already sent must not open a box for it (allreduce.Mailbox).
+        self.mailbox.drop(round_id, "this peer aborted the round")
         message = Message({**self.s.meta(), "round": round_id}, codec="none")
         await asyncio.gather(*(self.s.pool.call(a, "stage.sync.abort", message,
                                                 timeout=self.s.limits.progress_timeout_s) for _, a in others),
@@ -299,6 +303,19 @@ class StageSync:
         if isinstance(round_id, bytes):
             self.mailbox.drop(round_id, "a member aborted the round")
         return Message({}, codec="none")
+
+
+async def _unless_failed(box: RoundBox, sending: Coroutine) -> None:
+    """Send a round's parts, but give up as soon as the round fails meanwhile (a member aborted
+    it): a send to a hung member would otherwise hold this peer in a dead round, refusing every
+    other round of its stage, for up to round_timeout_s."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            sent = group.create_task(sending)
+            sent.add_done_callback(lambda _: box.changed.set())
+            group.create_task(box.wait(sent.done))
+    except* RoundFailed as failed:
+        raise failed.exceptions[0] from None
 
 
 def _reduce_shard(box, limits, numel: int) -> tuple[torch.Tensor, list[int]]:
