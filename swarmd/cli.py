@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     )
     configuration.add_flags(p)
     p.add_argument("--version", action="version", version=f"swarmd {package_version()}")
-    p.add_argument("--check-config", action="store_true", help="validate, print the effective config, exit")
+    p.add_argument("--check-config", action="store_true", help="validate (settings and the swarm key file), print the effective config, exit")
     return p
 
 
@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config = configuration.load(args, os.environ)
+        if args.check_config:
+            configuration.load_swarm_key(config.network)  # what the daemon checks first when it starts
     except configuration.ConfigError as exc:
         print(f"swarmd: {exc}", file=sys.stderr)
         return EXIT_CONFIG

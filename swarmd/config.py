@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from swarmd import swarmkey
 from swarmd.dht.config import DHTConfig
 
 DEFAULT_CONFIG_FILE = Path("/etc/swarmd/swarmd.toml")
@@ -719,6 +720,17 @@ def load(namespace: Any, env: Mapping[str, str]) -> Config:
     path = Path(explicit) if explicit else default_config_file(env)
     file_layer = read_file(path) if path is not None else {}
     return build([file_layer, read_env(env), read_flags(namespace)], env, path)
+
+
+def load_swarm_key(network: "NetworkSection") -> bytes | None:
+    """The swarm key that `network.swarm_key_file` names (None for an open swarm). Shared by the
+    daemon's start and `swarmd --check-config`, so both refuse a bad key file with the same line."""
+    if network.swarm_key_file is None:
+        return None
+    try:
+        return swarmkey.load(network.swarm_key_file)
+    except swarmkey.SwarmKeyError as exc:
+        raise ConfigError("network.swarm_key_file", "", str(exc)) from None
 
 
 def to_toml(config: Config) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 from swarmd import config as configuration
-from swarmd import control, liveness, logs, metrics, notify, swarmkey
+from swarmd import control, liveness, logs, metrics, notify
 from swarmd.jobs import JobRegistry
 from swarmd.jobs.directory import DHTStageDirectory
 from swarmd.jobs.joining import Joining
@@ -92,17 +92,15 @@ def load_identity(state_dir: Path) -> Identity:
 def peer_rpc_config(net: configuration.NetworkSection, identity: Identity, traffic: Traffic) -> RpcConfig:
     """The one RpcConfig of peer connections, for the server and the pool alike: a connection's two
     ends must agree on the swarm key and on encryption, whichever of them dialled."""
-    swarm_key = None
-    if net.swarm_key_file is not None:
-        try:
-            swarm_key = swarmkey.load(net.swarm_key_file)
-        except swarmkey.SwarmKeyError as exc:
-            raise StartupError(EXIT_CONFIG, f"network.swarm_key_file: {exc}") from None
+    try:
+        swarm_key = configuration.load_swarm_key(net)
+    except configuration.ConfigError as exc:
+        raise StartupError(EXIT_CONFIG, str(exc)) from None
     log.info("%s swarm%s, peer traffic %s, per-peer RPC limit %s", "private" if swarm_key else "open",
              f" (key {net.swarm_key_file})" if swarm_key else "", "encrypted" if net.encrypt else "not encrypted",
              f"{net.rpc_rate_limit_per_s:g}/s" if net.rpc_rate_limit_per_s else "off")
     return RpcConfig(
-        identity=identity, swarm_key=swarm_key, encrypt=net.encrypt,
+        identity=identity, swarm_key=swarm_key, encrypt=net.encrypt, encrypt_setting="network.encrypt (--encrypt)",
         rate_limit_per_s=net.rpc_rate_limit_per_s or None, rate_limit_burst=net.rpc_rate_limit_burst,
         rate_limit_peers=net.rpc_rate_limit_peers, max_unproven_per_source=net.max_unproven_per_source,
         max_unproven_connections=net.max_unproven_connections, traffic=traffic,

@@ -70,6 +70,9 @@ class RpcConfig:
     # the hello. Both ends must agree (a mismatch fails the hello). Off by default: on a trusted
     # network TLS-grade secrecy costs CPU (see bench/transport.py "encryption") for nothing.
     encrypt: bool = False
+    # What the user calls `encrypt` where this config comes from, for the error a mismatch gives:
+    # an application built on the transport (the daemon: "network.encrypt") names its own setting.
+    encrypt_setting: str = "RpcConfig.encrypt"
     # Totals of socket bytes sent and received by every connection built from this config (metrics);
     # None costs nothing per write.
     traffic: Traffic | None = None

@@ -162,6 +162,7 @@ class Connection(asyncio.Protocol):
             limits=config.limits.as_dict(),
             app=config.app,
             encrypt=config.encrypt,
+            encrypt_setting=config.encrypt_setting,
         )
         self._keys: tuple[bytes, bytes] | None = None  # (send, receive) once an encrypted hello is proven
         self._opener: Opener | None = None  # set from the welcome on when encrypting

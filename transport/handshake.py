@@ -151,11 +151,13 @@ class Handshake:
         limits: dict[str, int],
         app: dict[str, Any],
         encrypt: bool = False,
+        encrypt_setting: str = "RpcConfig.encrypt",
         random_bytes: Callable[[int], bytes] = os.urandom,
     ) -> None:
         self._initiator = initiator
         self._identity = identity
         self._swarm_key = swarm_key
+        self._encrypt_setting = encrypt_setting
         self._kx = X25519PrivateKey.generate() if encrypt else None
         self._ours = Hello(
             version=version,
@@ -191,7 +193,8 @@ class Handshake:
         if theirs.encrypt != self._ours.encrypt:
             raise HandshakeError(
                 f"we {'require' if self._ours.encrypt else 'refuse'} encryption and the peer "
-                f"{'does not' if self._ours.encrypt else 'requires it'}: both sides must set the same RpcConfig.encrypt"
+                f"{'does not' if self._ours.encrypt else 'requires it'}: both sides must set the same "
+                f"{self._encrypt_setting}"
             )
         if theirs.nonce == self._ours.nonce:
             raise HandshakeError("peer echoed our nonce")

@@ -49,13 +49,15 @@ def test_only_peers_that_agree_join(spawn, tmp_path: Path, case: str) -> None:
           different one: another swarm key, or encryption off while A and B encrypt.
        2. A and B list each other, alive: the setting works on both ends of a connection.
        3. C's peers list stays itself alone and its bootstrap never joins, while neither A nor B
-          ever lists C; A's log names the reason it refused C's hello."""
+          ever lists C; A's log names the reason it refused C's hello (for encryption: the
+          daemon's setting, network.encrypt)."""
     if case == "swarm key":
         members = ("--swarm-key-file", key_file(tmp_path / "swarm.key"))
         outsider = ("--swarm-key-file", key_file(tmp_path / "other.key"))
         reason = "swarm key"
     else:
-        members, outsider, reason = ("--encrypt",), (), "encryption"
+        # The daemon names its own setting, not the transport's RpcConfig field.
+        members, outsider, reason = ("--encrypt",), (), "the same network.encrypt (--encrypt)"
     a = spawn("a", *members, env=FAST)
     b = spawn("b", *members, "--bootstrap", a.address, env=FAST, ready=False)
     c = spawn("c", *outsider, "--bootstrap", a.address, env=FAST, ready=False)
@@ -137,6 +139,37 @@ def test_bad_swarm_key_file_exits_2_naming_the_key(tmp_path: Path, problem: str)
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "network.swarm_key_file" in lines[0] and str(path) in lines[0]
     assert ("keygen" if problem == "missing" else "chmod 600") in lines[0]
+
+
+@pytest.mark.parametrize("problem", ["missing", "world-readable", "malformed"])
+def test_check_config_refuses_a_bad_swarm_key_file_like_the_daemon(tmp_path: Path, problem: str) -> None:
+    """1. Make a key file that is missing, mode 0644, or mode 0600 with 10 bytes of text.
+       2. `swarmd --check-config --swarm-key-file PATH` exits 2 with one line naming
+          network.swarm_key_file, the path and what is wrong, and prints no config.
+       3. The daemon started with the same flag exits 2 and its line says the same thing.
+       4. With a good key file, --check-config exits 0 and prints the key file's path."""
+    path = tmp_path / "swarm.key"
+    if problem == "world-readable":
+        generate(path)
+        os.chmod(path, 0o644)
+    elif problem == "malformed":
+        path.write_text("not a key\n")
+        os.chmod(path, 0o600)
+    checked = run_swarmd(tmp_path, "--check-config", "--swarm-key-file", str(path))
+    assert checked.returncode == EXIT_CONFIG and checked.stdout == "", (checked.stdout, checked.stderr)
+    line = checked.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert line.startswith("swarmd: network.swarm_key_file: ") and str(path) in line, line
+    assert {"missing": "keygen", "world-readable": "chmod 600", "malformed": "hex digits"}[problem] in line
+    started = run_swarmd(tmp_path, "--swarm-key-file", str(path))
+    assert started.returncode == EXIT_CONFIG
+    message = line.removeprefix("swarmd: ")
+    assert started.stderr.strip().endswith(message), (started.stderr, message)
+
+    good = tmp_path / "good.key"
+    generate(good)
+    ok = run_swarmd(tmp_path, "--check-config", "--swarm-key-file", str(good))
+    assert ok.returncode == EXIT_OK and str(good) in ok.stdout, ok.stderr
 
 
 def test_an_rpc_flood_from_one_peer_is_rate_limited_while_others_are_answered(spawn) -> None:
