@@ -112,9 +112,10 @@ def register(router: Router, daemon: DaemonView) -> None:
             return Message(await daemon.jobs.describe(job))
 
     async def job_cancel(req: Request) -> Message:
+        uid = req.peer.peercred[1] if req.peer.peercred else None
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
-            daemon.jobs.cancel(job)
+            await daemon.jobs.cancel(job, by=f"swarmctl cancel (uid {uid})")
         daemon.training.cancel(job)
         return Message({"job": job.job_id.hex(), "state": job.state})
 
@@ -132,6 +133,7 @@ def register(router: Router, daemon: DaemonView) -> None:
         stage = req.meta.get("stage")
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
+            _refuse_ended(job)
             if stage is None:
                 stages = await daemon.jobs.stage_peers(job)
                 stage = min(stages, key=lambda s: (len(s["peers"]), s["stage"]))["stage"]
@@ -150,6 +152,7 @@ def register(router: Router, daemon: DaemonView) -> None:
             raise RpcError("bad_request", "data: a list of absolute paths")
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
+            _refuse_ended(job)
             daemon.jobs.attach_data(job, data, req.peer.peercred)
         per_step = job.spec.batch.microbatches_per_step
         for name, value in (("shards", shards), ("shard", shard)):
@@ -167,6 +170,12 @@ def register(router: Router, daemon: DaemonView) -> None:
     router.stream("job.logs", job_logs)
     router.unary("job.serve", job_serve)
     router.unary("job.train", job_train)
+
+
+def _refuse_ended(job: Any) -> None:
+    """Serving or training a job that ended would only wait forever for work or for stages."""
+    if job.ended is not None:
+        raise JobRequestError("bad_request", f"job: {job.spec.name} ({job.job_id.hex()[:16]}) {job.ended.text()}")
 
 
 class _job_errors:

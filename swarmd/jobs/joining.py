@@ -14,6 +14,11 @@ whatever `jobs.serve` says (a stage pinned by hand is remembered too): by downlo
 else from this daemon's checkpoint, as any join. A remembered job that is not in the index (gone,
 or cancelled by its submitter) is forgotten after `jobs.rejoin_wait_s`, the time a restarted
 daemon needs to find the swarm again.
+
+The same loop ends what has ended: on the submitter it publishes the end of a job whose steps are
+all done (`JobRegistry.settle`), and on every daemon it leaves the stages of a job whose submitter
+signed its end (finished or cancelled): a final checkpoint, announcements withdrawn, the stage
+stopped and forgotten (`Serving.leave`). An ended job is never joined or rejoined.
 """
 
 from __future__ import annotations
@@ -106,19 +111,36 @@ class Joining:
 
     async def tick(self) -> None:
         await self.registry.refresh()
+        await self.registry.settle()
+        await self._leave_ended()
         await self._rejoin()
         if self.rule == "none":
             return
         for job in list(self.registry.jobs.values()):
-            if (job.job_id in self.registry.listed and job.state not in FINAL_STATES and admits(self.rule, job)
-                    and len(self.serving.served) < self.max_stages):
+            if (job.job_id in self.registry.listed and job.ended is None and job.state not in FINAL_STATES
+                    and admits(self.rule, job) and len(self.serving.served) < self.max_stages):
                 await self._join(job)
+
+    async def _leave_ended(self) -> None:
+        for job_id, stage in list(self.serving.served):
+            job = self.registry.jobs.get(job_id)
+            if job is None or job.ended is None:
+                continue
+            try:
+                await self.serving.leave(job_id, stage)
+            except Exception as exc:  # noqa: BLE001 - logged; the next tick tries again
+                log.warning("could not leave stage %d of ended job %s: %s", stage, job.spec.name, exc)
+                continue
+            log.info("left stage %d of job %s: the job %s", stage, job.spec.name, job.ended.text())
 
     async def _rejoin(self) -> None:
         for key, deadline in list(self.pending.items()):
             job_id, stage = key
             job = self.registry.jobs.get(job_id)
             if key in self.serving.served:
+                del self.pending[key]
+            elif job is not None and job.ended is not None:
+                log.warning("forgetting stage %d of job %s: the job %s", stage, job.spec.name, job.ended.text())
                 del self.pending[key]
             elif job is not None and job_id in self.registry.listed and job.state != "cancelled":
                 if not 0 <= stage < job.spec.pipeline.stages:

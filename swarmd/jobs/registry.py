@@ -8,12 +8,16 @@ DHT layout (every record signed; the subkey is the signer's peer id, the default
   this index to notice new jobs.
 - `("job", job_id, "stage", i)`: one entry per peer serving stage i, a msgpack map
   `{addr, samples_per_s, queue, step, state}` (written by the stage servers).
+- `("job", job_id, "end")`: the job's end (finished or cancelled), signed by its submitter
+  (`swarmd.jobs.ending`). An ended job stays in its submitter's index, so every daemon learns it
+  ended rather than only that it is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +27,12 @@ import msgpack
 
 from swarmd.dht import dht_key
 from swarmd.jobs.access import AccessDenied, check_readable
+from swarmd.jobs.ending import JobEnd, end_key, submitters_end
 from swarmd.job import JobSpec, SpecError, resolve_sources
 from swarmd.job.data import Sources
 from transport.identity import peer_id_of
+
+log = logging.getLogger(__name__)
 
 #: Lifecycle: waiting (some stage has no peer, or no trainer runs yet), running, then one of the
 #: three final states.
@@ -39,6 +46,8 @@ MAX_JOBS_PER_SUBMITTER = 64
 MAX_DATA_PATHS = 256
 #: Job ids remembered as refused by `accept_from` (so `find` can say why, and refresh skips them).
 MAX_REFUSED_JOBS = 1024
+#: (job, forger) pairs remembered so a forged end record is logged once, not at every refresh.
+MAX_FORGERIES_LOGGED = 1024
 
 
 class JobRequestError(Exception):
@@ -63,6 +72,8 @@ class Job:
     events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_EVENTS))
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     emitted: int = 0  # events ever added; the deque holds the last MAX_EVENTS of them
+    ended: JobEnd | None = None  # the swarm-wide end, signed by the submitter
+    end_seen: asyncio.Event = field(default_factory=asyncio.Event)  # set once `ended` is
 
     def event(self, kind: str, message: str, **fields: Any) -> None:
         self.events.append({"ts": time.time(), "kind": kind, "step": self.step, "loss": self.loss,
@@ -93,6 +104,7 @@ class JobRegistry:
         self._announcements: list[Any] = []
         self._index = None
         self.listed: set[bytes] = set()  # job ids in the `jobs` index at the last refresh
+        self._forgeries: collections.OrderedDict[tuple[bytes, bytes], None] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ submit
 
@@ -163,8 +175,8 @@ class JobRegistry:
         self._index = self.dht.announce(dht_key("jobs"), self._index_value)
 
     def _index_value(self) -> bytes:
-        return msgpack.packb([j.job_id for j in self.jobs.values() if j.local and j.state != "cancelled"],
-                             use_bin_type=True)
+        # Ended jobs stay listed: readers then find their end record and show how they ended.
+        return msgpack.packb([j.job_id for j in self.jobs.values() if j.local], use_bin_type=True)
 
     async def withdraw(self) -> None:
         """Drain: take our specs and index entry out of the DHT."""
@@ -177,7 +189,7 @@ class JobRegistry:
     async def refresh(self, latest: bool = True) -> None:
         """Learn the jobs other daemons published; a spec that does not hash to its id is ignored.
         `listed` becomes the ids the index holds now: a job missing from it is gone or cancelled."""
-        listed = {j.job_id for j in self.jobs.values() if j.local and j.state != "cancelled"}
+        listed = {j.job_id for j in self.jobs.values() if j.local}
         for record in (await self.dht.get(dht_key("jobs"), latest=latest)).values():
             try:
                 ids = msgpack.unpackb(record.value, raw=False)
@@ -197,6 +209,11 @@ class JobRegistry:
                 known = self.jobs.get(job_id)
                 if known is not None and known.submitter == record.public_key:
                     listed.add(job_id)
+        # Before `listed` changes, so automatic joining never sees a newly learned job that has ended.
+        for job_id in listed:
+            job = self.jobs[job_id]
+            if not job.local and job.ended is None:
+                await self.check_end(job)
         self.listed = listed
 
     def accepts(self, submitter: bytes) -> bool:
@@ -274,14 +291,71 @@ class JobRegistry:
             stages.append({"stage": index, "peers": peers})
         return stages
 
+    async def check_end(self, job: Job) -> None:
+        """Read the job's end record; believe only the one its submitter signed."""
+        end, forgers = submitters_end(await self.dht.get(end_key(job.job_id), latest=True), job.submitter,
+                                      job.spec.steps)
+        for forger in forgers:
+            if (job.job_id, forger) not in self._forgeries:
+                log.warning("job %s: refused an end record signed by peer %s, not by the job's submitter",
+                            job.spec.name, forger.hex()[:16])
+                self._forgeries[(job.job_id, forger)] = None
+                while len(self._forgeries) > MAX_FORGERIES_LOGGED:
+                    self._forgeries.popitem(last=False)
+        if end is not None:
+            self._ended(job, end)
+
+    def _ended(self, job: Job, end: JobEnd) -> None:
+        if job.ended is not None:
+            return
+        job.ended = end
+        job.step = max(job.step, end.step)
+        if job.state != end.state:  # the local trainers' own "done" event already says it
+            job.state = end.state
+            job.event("done", f"job {end.text()}")
+        job.end_seen.set()
+        log.info("job %s (%s) %s", job.spec.name, job.job_id.hex()[:16], end.text())
+
+    def end(self, job: Job, state: str, by: str, step: int | None = None) -> None:
+        """End a job submitted here, swarm-wide: publish the signed end record (kept alive until
+        drain) so every daemon serving or training it stops. Only the submitter can."""
+        if not job.local:
+            raise JobRequestError("not_found", f"job: {job.job_id.hex()} was not submitted through this daemon")
+        if job.ended is not None:
+            return
+        end = JobEnd(state, max(job.step, step or 0), time.time(), by)
+        value = end.to_msgpack()
+        self._announcements.append(self.dht.announce(end_key(job.job_id), lambda: value))
+        self._ended(job, end)
+
+    async def settle(self) -> None:
+        """End the jobs submitted here that finished: their trainers here finished every step, or
+        (no trainer here: all run elsewhere) every stage has a serving peer that committed the last step."""
+        for job in [j for j in self.jobs.values() if j.local and j.ended is None]:
+            if job.state == "done":
+                self.end(job, "done", "its trainers finished every step")
+            elif job.state == "waiting" and await self.swarm_step(job) >= job.spec.steps:
+                # "waiting": no trainer runs here (those that do say "done" themselves).
+                job.state = "done"
+                self.end(job, "done", f"every stage committed step {job.spec.steps}", job.spec.steps)
+
+    async def swarm_step(self, job: Job) -> int:
+        """The step every stage has committed, as its serving peers announce (0 if a stage has none)."""
+        return min((max((p["step"] for p in s["peers"] if p["state"] == "serving"), default=0)
+                    for s in await self.stage_peers(job)), default=0)
+
     async def describe(self, job: Job) -> dict[str, Any]:
+        if job.ended is None and not job.local:
+            await self.check_end(job)
         stages = await self.stage_peers(job)
         # A peer only announcing "joining" (automatic joining says so before it starts) or
         # "draining" takes no work yet: its stage still stalls the job.
         empty = {s["stage"]: "no peers" if not s["peers"] else "no serving peer yet" for s in stages
                  if not any(p["state"] == "serving" for p in s["peers"])}
         state = "waiting" if empty and job.state == "running" else job.state
-        if job.state in FINAL_STATES:
+        if job.ended is not None:
+            status = f"job {job.ended.text()}"
+        elif job.state in FINAL_STATES:
             status = f"job {job.state}"
         elif empty:
             status = "waiting: " + ", ".join(f"stage {i} has {why}" for i, why in empty.items())
@@ -289,16 +363,16 @@ class JobRegistry:
             status = f"{job.state}: every stage has peers"
         return {"job": job.job_id.hex(), "name": job.spec.name, "state": state, "status": status,
                 "submitter": job.submitter.hex(), "step": job.step, "steps": job.spec.steps, "loss": job.loss,
-                "samples_per_s": job.samples_per_s, "stages": stages}
+                "samples_per_s": job.samples_per_s, "stages": stages,
+                "end": None if job.ended is None else job.ended.as_dict()}
 
-    def cancel(self, job: Job) -> None:
+    async def cancel(self, job: Job, by: str = "swarmctl cancel") -> None:
+        """`swarmctl cancel`: end the job swarm-wide, unless it finished (a job whose trainers
+        failed here is cancelled: its stages elsewhere should stop too)."""
         if not job.local:
             raise JobRequestError("not_found", f"job: {job.job_id.hex()} was not submitted through this daemon")
-        if job.state not in FINAL_STATES:
-            job.state = "cancelled"
-            job.event("done", "cancelled by swarmctl cancel")
-            # Out of the index at once: daemons serving it (or restarting to rejoin it) see it gone.
-            self._index = self.dht.announce(dht_key("jobs"), self._index_value)
+        if job.state != "done" and job.ended is None:
+            self.end(job, "cancelled", by, await self.swarm_step(job))
 
     async def events(self, job: Job, follow: bool) -> AsyncIterator[dict[str, Any]]:
         """Held events, then (with `follow`) new ones until the job reaches a final state."""

@@ -3,6 +3,12 @@
 The announcement is refreshed by the DHT node's announce loop (well inside its expiry) with the
 service's live fields, and withdrawn before the service stops, so trainers stop routing to a
 draining peer at their next directory refresh rather than at the record's expiry.
+
+Joins, rebalancing moves and leaving an ended job's stage change the served set, each over many
+awaits; one lock (`_joins`) serialises them, so a move never races a join of the stage it moves to
+(two services for one stage) and a leave never stops a stage a move is replacing. A join asked for
+during a move waits for it; a move asked for during a join is skipped with its reason (the
+rebalancer checks again next period, on a view that then includes the join).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from swarmd.dht.errors import DHTError
 from swarmd.jobs.directory import announcement_value, stage_key
 from swarmd.jobs.moving import JOINING, MOVES_KEPT, MoveRecord, Moving, drain, serving_peers
 from swarmd.rebalance.mover import MoveFailed
+from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.limits import StageLimits
 from swarmd.stage.service import StageService
 from swarmd.stage.state import StateError
@@ -70,8 +77,16 @@ class Serving:
         Drain the old stage (`swarmd.jobs.moving.drain`: no new work, queued work finished, what it
         accumulated re-sent by the trainers), join the new one by downloading a live mate's state,
         announce it, then withdraw and stop the old one. Any failure raises `MoveFailed` with the
-        old stage serving again; a cancelled move is undone the same way.
+        old stage serving again; a cancelled move is undone the same way. Skipped (`MoveFailed`)
+        while a join or a leave is under way here; joins and leaves asked for meanwhile wait.
         """
+        if self._joins.locked():
+            raise MoveFailed(f"a join or leave is under way on this daemon; not moving job {job_id.hex()[:16]} "
+                             f"from stage {from_stage} to {to_stage} now")
+        async with self._joins:
+            return await self._move(job_id, from_stage, to_stage, drain_timeout_s)
+
+    async def _move(self, job_id: bytes, from_stage: int, to_stage: int, drain_timeout_s: float) -> MoveRecord:
         old = self.served.get((job_id, from_stage))
         if old is None:
             raise MoveFailed(f"not serving stage {from_stage} of job {job_id.hex()[:16]}")
@@ -140,6 +155,24 @@ class Serving:
                  to_stage, job_id.hex()[:16], total, record.drain_s, new.committed)
         return record
 
+    async def leave(self, job_id: bytes, stage: int) -> bool:
+        """Stop serving a stage of an ended job: announcement withdrawn (trainers and mates stop
+        using us), a final checkpoint of its state, then the service stopped and dropped (its memory
+        goes with it; `served-stages.json` forgets it at the next check). False if not served."""
+        async with self._joins:
+            item = self.served.get((job_id, stage))
+            if item is None:
+                return False
+            await self.dht.withdraw(item.announcement)
+            try:
+                await final_checkpoint(item.service)
+            except OSError as exc:
+                log.warning("stage %d of job %s: no final checkpoint: %s", stage, job_id.hex()[:16], exc)
+            finally:
+                del self.served[(job_id, stage)]
+                await item.service.stop()
+            return True
+
     def stages(self) -> list[str]:
         return [f"{job_id.hex()[:16]}/{stage}" for job_id, stage in sorted(self.served)]
 
@@ -150,3 +183,16 @@ class Serving:
             await self.dht.withdraw(item.announcement)
         for item in served:
             await item.service.stop()
+
+
+async def final_checkpoint(service: StageService) -> Path | None:
+    """Write the stage's current state to its checkpoint dir (None without a state dir). Taken
+    under the stage's checkpoint lock, so it never overlaps (or is pruned by) a periodic write."""
+    if service.state_dir is None:
+        return None
+    snapshot = await service.in_aux(service.snapshot)
+    async with service._checkpoint_lock:
+        path = await asyncio.to_thread(ckpt.write_checkpoint, service.state_dir, snapshot, service.stage_index,
+                                       service.limits.checkpoints_kept)
+    log.info("stage %d wrote its final checkpoint %s", service.stage_index, path)
+    return path

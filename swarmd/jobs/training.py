@@ -3,6 +3,10 @@
 A job submitted with `trainers = K` runs shards 0..K-1 here; `job.train {job, data, shard, shards}`
 runs one more shard in another daemon (shard k of K: the shards split each step's microbatches, so
 together they cover the global batch exactly once).
+
+A trainer stops when its job ends swarm-wide (the submitter's signed end record, learned by the
+joining loop): a cancelled job's trainers on other daemons would otherwise retry forever against
+stages that have left.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class Training:
 
     async def _run(self, job: Job, trainer: Trainer) -> None:
         try:
-            await trainer.run()
+            await self._until_ended(job, trainer)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -63,6 +67,24 @@ class Training:
         if self._running[job.job_id] == 0 and job.state not in FINAL_STATES:
             job.state = "done"
             job.event("done", f"trained {job.spec.steps} steps")
+
+    @staticmethod
+    async def _until_ended(job: Job, trainer: Trainer) -> None:
+        """Run the trainer until it finishes or the job ends, whichever comes first."""
+        if job.end_seen.is_set():
+            return
+        run = asyncio.ensure_future(trainer.run())
+        ended = asyncio.ensure_future(job.end_seen.wait())
+        try:
+            await asyncio.wait({run, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (run, ended):
+                task.cancel()
+            await asyncio.gather(run, ended, return_exceptions=True)
+        if run.done() and not run.cancelled() and run.exception() is not None:
+            raise run.exception()
+        if not run.done() or run.cancelled():
+            log.info("trainer %d of %s stopped: the job %s", trainer.shard, job.spec.name, job.ended.text())
 
     def _on_event(self, job: Job, shard: int, event: StepEvent | StatusEvent) -> None:
         if isinstance(event, StatusEvent):
