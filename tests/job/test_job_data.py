@@ -1,5 +1,7 @@
 """Data: byte tokenizer, .bin token files, and the seeded order every trainer and the reference share."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -123,3 +125,64 @@ def test_training_data_yields_the_sampled_windows(tmp_path):
     expected = torch.tensor([[(i * 8 + t) % 256 for t in range(8)] for i in mb.sample_indices])
     assert torch.equal(mb.inputs, expected)
     assert torch.equal(mb.targets, (expected + 1) % 256)
+
+
+def _tree(root):
+    """Files at several depths, hidden ones, and a symlink loop back to the root."""
+    for rel in ("a.txt", "b.py", ".hidden.txt", "d/c.txt", "d/e/f.txt", "d/.h/g.txt", ".dot/i.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * 8)
+    (root / "d" / "loop").symlink_to(root, target_is_directory=True)
+
+
+@pytest.mark.parametrize("pattern", ["*.txt", "**/*.txt", "d/**", "d/*/f.txt", "**/[ab].*", ".*", ".dot/*", "d/e/f.txt"])
+def test_data_globs_match_like_glob_without_following_links_in_double_star(tmp_path, pattern):
+    """Steps: a tree with hidden files and a symlink loop; expand a pattern through the spec.
+    Expected: the same regular files as Python's glob finds, except that `**` never enters the
+    symlinked directory (glob follows it, once per level)."""
+    import glob
+
+    _tree(tmp_path)
+    got = resolve_sources(DataSpec(seq_len=2, files=(pattern,)), tmp_path).files
+    want = {p for p in map(Path, glob.glob(str(tmp_path / pattern), recursive=True))
+            if p.is_file() and "loop" not in p.relative_to(tmp_path).parts}
+    assert set(got) == want and got == tuple(sorted(want))
+
+
+def test_data_globs_past_the_file_limit_are_refused_naming_data_files(tmp_path):
+    """Steps: 30 files; a spec matching them all with GlobLimits(max_files=29), then 30.
+    Expected: SpecError on data.files naming the limit; at 30 all are found."""
+    from swarmd.job.data import GlobLimits
+
+    for i in range(30):
+        (tmp_path / f"{i:02}.txt").write_bytes(b"x")
+    spec = DataSpec(seq_len=2, files=("*.txt", "0*.txt"))
+    with pytest.raises(SpecError, match="max_files") as err:
+        resolve_sources(spec, tmp_path, GlobLimits(max_files=29))
+    assert err.value.field == "data.files" and "'*.txt'" in str(err.value)
+    assert len(resolve_sources(spec, tmp_path, GlobLimits(max_files=30)).files) == 30
+
+
+def test_a_glob_over_the_whole_filesystem_stops_at_the_entry_limit():
+    """Steps: `/**/no-such-file-*` (matches nothing, so only the walk's own bound can end it
+    early) with the default GlobLimits, over this machine's real filesystem.
+    Expected: SpecError on data.files naming max_entries, not a walk of every directory."""
+    with pytest.raises(SpecError, match="max_entries") as err:
+        resolve_sources(DataSpec(seq_len=2, files=("/**/no-such-file-*",)), "/")
+    assert err.value.field == "data.files"
+
+
+def test_an_entry_limit_counts_every_pattern_of_a_spec(tmp_path):
+    """Steps: 10 files; patterns `*.txt` and `[0-4].txt`, each listing the directory once, with
+    max_entries 15.
+    Expected: the second listing passes the bound: refused, naming that pattern as the spec
+    wrote it; with max_entries 20 both pass."""
+    from swarmd.job.data import GlobLimits
+
+    for i in range(10):
+        (tmp_path / f"{i}.txt").write_bytes(b"x")
+    spec = DataSpec(seq_len=2, files=("*.txt", "[0-4].txt"))
+    with pytest.raises(SpecError, match="max_entries") as err:
+        resolve_sources(spec, tmp_path, GlobLimits(max_entries=15))
+    assert "'[0-4].txt' looks at more than 15" in str(err.value)
+    assert len(resolve_sources(spec, tmp_path, GlobLimits(max_entries=20)).files) == 10
