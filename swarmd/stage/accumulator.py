@@ -52,7 +52,7 @@ class Accumulator:
         self._sums: dict[int, StepSum] = {}
         self._taken: dict[int, StepSum] = {}
         self._claimed: dict[int, set[int]] = {}
-        self._duplicates: dict[int, int] = {}
+        self._repeats: dict[int, int] = {}
 
     def claim(self, step: int, mb: int) -> bool:
         """True when `mb` is new for `step` on this peer (its gradient will be added); False for a
@@ -60,7 +60,7 @@ class Accumulator:
         with self._lock:
             claimed = self._claimed.setdefault(step, set())
             if mb in claimed:
-                self._duplicates[step] = self._duplicates.get(step, 0) + 1
+                self._repeats[step] = self._repeats.get(step, 0) + 1
                 return False
             claimed.add(mb)
             return True
@@ -122,22 +122,24 @@ class Accumulator:
                 del self._taken[step]
 
     def finish(self, step: int) -> int:
-        """The step is committed: drop everything for it and earlier steps; returns how many
-        microbatches were repeated on this peer (claims refused plus late arrivals)."""
+        """The step is committed: drop everything for it and earlier steps; returns how many copies
+        of microbatches this peer dropped (claims refused as repeats plus late arrivals, which the
+        round's coverage check proves a mate's sum held)."""
         with self._math, self._lock:
             late = self._sums.get(step)
-            duplicates = self._duplicates.get(step, 0) + (len(late.ids) if late is not None else 0)
-            for table in (self._sums, self._taken, self._claimed, self._duplicates):
+            repeats = self._repeats.get(step, 0) + (len(late.ids) if late is not None else 0)
+            for table in (self._sums, self._taken, self._claimed, self._repeats):
                 for s in [s for s in table if s <= step]:
                     del table[s]
-            return duplicates
+            return repeats
 
-    def duplicates(self, step: int) -> int:
+    def repeats(self, step: int) -> int:
+        """Claims refused as repeats so far for `step`."""
         with self._lock:
-            return self._duplicates.get(step, 0)
+            return self._repeats.get(step, 0)
 
     def clear(self) -> None:
         """Forget everything (state was replaced by a download or a checkpoint)."""
         with self._math, self._lock:
-            for table in (self._sums, self._taken, self._claimed, self._duplicates):
+            for table in (self._sums, self._taken, self._claimed, self._repeats):
                 table.clear()

@@ -44,6 +44,11 @@ class StageLimits:
     # once) may just be overloaded and still hold its gradients; its ids are reported `missing` only
     # after this long, since a re-send while it still holds them would count them twice.
     missing_grace_s: float = 10.0
+    # A peer behind the swarm's step with no stage-mate ahead in sight takes up the swarm's step
+    # (losing the steps between; StageService._resume_at) only once it has seen that for this long:
+    # a mate ahead can be hidden for a moment (a directory read that missed it, a poll that timed
+    # out), and a peer that merely lags must download its state, never jump past the updates.
+    resume_after_s: float = 10.0
     # One all-reduce round (reduce + gather); a mate silent this long is excluded and the round
     # restarts with the others. Must cover shipping the whole gradient over the slowest link.
     round_timeout_s: float = 60.0

@@ -52,8 +52,14 @@ class StepRecord:
 
     step: int
     members: int
-    samples: int  # summed over members; above global_samples by the duplicated microbatches
-    duplicates: int  # across peers in the round plus repeats and late arrivals on this peer
+    samples: int  # summed over members: global_samples + summed_duplicates x microbatch_samples
+    # Microbatches whose gradient two or more members of the round summed: a real double count in
+    # the step (it cannot be subtracted out of a sum), the only reason `samples` exceeds the batch.
+    summed_duplicates: int
+    # Copies of microbatches this peer saw but did not sum: repeats it refused (it already held
+    # that id) and arrivals after the round took its sum (covered by a mate). Harmless: not in
+    # `samples`, not in the gradient; many of them mean a trainer re-sends what the stage holds.
+    dropped_repeats: int
     lr: float
     grad_norm: float
     clipped: bool
@@ -87,6 +93,8 @@ class StageService:
         self._resume_lock = asyncio.Lock()
         # (from, to) for every jump over steps this stage lost (see `_resume_at`), shown by stage.info.
         self.skipped: deque[tuple[int, int]] = deque(maxlen=limits.records_kept)
+        # (committed, loop time): since when every look found this peer behind with no mate ahead.
+        self._behind_since: tuple[int, float] | None = None
         self._streams = 0
 
     # ------------------------------------------------------------------------ lifecycle
@@ -350,28 +358,26 @@ class StageService:
         pipeline resumed from per-stage checkpoints must.
 
         Allowed only when this peer is not mid-step (no round running, no gradient held for its
-        current step), no live stage-mate is ahead by a fresh poll (then downloading its state is
-        right, and the sync loop does it: this is also the everyday case of a peer that commits a
-        moment after its mates, which must never skip), and a peer of another stage has committed
-        `target` steps, so one confused trainer cannot push a stage forward on its word alone.
-        True when this peer now accepts work for `target`.
+        current step), no stage-mate is ahead by a fresh poll nor silent in it (a mate ahead must
+        be downloaded from, and the sync loop does that: this is also the everyday case of a peer
+        that commits a moment after its mates, which must never skip; a mate whose poll times out
+        may be one), a peer of another stage has committed `target` steps (so one confused trainer
+        cannot push a stage forward on its word alone), and all of that has held at every look for
+        `resume_after_s`: a directory read can miss a mate that is there, and a peer that merely
+        lags would lose the updates it jumped over. True when this peer now accepts work for `target`.
         """
         async with self._resume_lock:
             if self.committed >= target:
                 return True
-            if target >= self.spec.steps or self._mid_step() or self.sync.mate_ahead():
+            if not await self._behind_alone(target):
+                self._behind_since = None
+                return self.committed >= target
+            now = asyncio.get_running_loop().time()
+            if self._behind_since is None or self._behind_since[0] != self.committed:
+                self._behind_since = (self.committed, now)
+            if now - self._behind_since[1] < self.limits.resume_after_s:
                 return False
-            # A directory backed by the DHT fails in many ways; a failed look is a "not now".
-            try:
-                mates = await self.sync.poll()
-                if any(m.state == "serving" and m.step > self.committed for m in mates):
-                    return False  # a mate holds newer state: StageSync.tick downloads it
-                evidence = await self._other_stages_step() if self.spec.pipeline.stages > 1 else target
-            except Exception as exc:  # noqa: BLE001
-                log.debug("stage %d: cannot check whether the swarm is ahead: %s", self.stage_index, exc)
-                return False
-            if evidence < target or self.committed >= target or self._mid_step():
-                return self.committed >= target  # the world moved while we looked: decide afresh
+            self._behind_since = None
             lost_from = self.committed
 
             def jump() -> None:
@@ -386,6 +392,21 @@ class StageService:
                         lost_from, target - 1)
             self._notify_commit()
             return True
+
+    async def _behind_alone(self, target: int) -> bool:
+        """Does this look find the swarm at `target` and no mate of this stage that may be ahead?"""
+        if target >= self.spec.steps or self._mid_step() or self.sync.mate_ahead():
+            return False
+        # A directory backed by the DHT fails in many ways; a failed look is a "not now".
+        try:
+            mates = await self.sync.poll()
+            if any(m.state == "serving" and m.step > self.committed for m in mates) or self.sync.mate_slow():
+                return False  # a mate holds (or may hold) newer state: StageSync.tick downloads it
+            evidence = await self._other_stages_step() if self.spec.pipeline.stages > 1 else target
+        except Exception as exc:  # noqa: BLE001
+            log.debug("stage %d: cannot check whether the swarm is ahead: %s", self.stage_index, exc)
+            return False
+        return evidence >= target and self.committed < target and not self._mid_step()
 
     def _mid_step(self) -> bool:
         """Is this peer taking part in its current step (a round, gradients held, a download)?"""
@@ -426,7 +447,7 @@ class StageService:
             "accumulated_samples": progress.samples if progress else 0,
             "samples_per_s": self.executor.samples_per_s,
             "missing": self.sync.missing, "uncovered": self.sync.uncovered,
-            "duplicates": self.accumulator.duplicates(self.committed),
+            "dropped_repeats": self.accumulator.repeats(self.committed),
             "last_step": last, "round_failure": self.sync.last_failure,
             "skipped": [list(jump) for jump in self.skipped],
         }, codec="none")
@@ -471,7 +492,7 @@ class StageService:
                  for p, g in zip(self.params, grads)]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    async def commit(self, step: int, flat: torch.Tensor, members: int, samples: int, cross_duplicates: int,
+    async def commit(self, step: int, flat: torch.Tensor, members: int, samples: int, summed_duplicates: int,
                      outliers: tuple[str, ...] = ()) -> None:
         """Take the optimizer step on the all-reduced gradient sum (every member does the same)."""
         def step_now():
@@ -488,16 +509,17 @@ class StageService:
                 except NonFiniteGradient as exc:
                     report = self._skip_step(exc)
                 self._settle()
-                duplicates = self.accumulator.finish(step)
+                repeats = self.accumulator.finish(step)
                 # Copied here, under the guard, so the checkpoint holds exactly this step.
-                return report, duplicates, take_snapshot(self.stage, self.opt) if self._checkpoint_due() else None
+                return report, repeats, take_snapshot(self.stage, self.opt) if self._checkpoint_due() else None
 
-        report, local_duplicates, snapshot = await asyncio.shield(self.in_aux(step_now))
-        record = StepRecord(step, members, samples, cross_duplicates + local_duplicates, report.lr,
+        report, repeats, snapshot = await asyncio.shield(self.in_aux(step_now))
+        record = StepRecord(step, members, samples, summed_duplicates, repeats, report.lr,
                             report.grad_norm, report.clipped, outliers)
         self.records.append(record)
-        if record.duplicates:
-            log.info("stage %d step %d: %d duplicated microbatches", self.stage_index, step, record.duplicates)
+        if record.summed_duplicates or record.dropped_repeats:
+            log.info("stage %d step %d: %d microbatches summed twice, %d repeats dropped", self.stage_index, step,
+                     record.summed_duplicates, record.dropped_repeats)
         self._notify_commit()
         if snapshot is not None:
             self.spawn(self._checkpoint(snapshot), f"checkpoint {snapshot.step}")

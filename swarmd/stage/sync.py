@@ -114,6 +114,11 @@ class StageSync:
         `tick` downloads its state; it is the cached answer, so asking costs no call.)"""
         return any(m.state == "serving" and m.step > self.s.committed for m in self._known.values())
 
+    def mate_slow(self) -> bool:
+        """Did a mate's progress call time out (rather than be refused) at the last poll? It may be
+        alive and ahead of us; only its answer would say."""
+        return bool(self._slow)
+
     async def _progress(self, peer_id: bytes, addr: str) -> MateView:
         reply = await self.s.pool.call(addr, "stage.sync.progress", Message(self.s.meta(), codec="none"),
                                        timeout=self.s.limits.progress_timeout_s)
@@ -221,12 +226,12 @@ class StageSync:
                 await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
                                                      lambda j: reduced, {"outliers": outliers}))
                 await box.wait(box.gathered_ready)
-            cross = sum(len(c.ids) for c in box.contributions.values()) - len(union)
+            summed_twice = sum(len(c.ids) for c in box.contributions.values()) - len(union)
             samples = sum(c.samples for c in box.contributions.values())
             flagged = tuple(sorted(ids[i].hex() for i in box.outliers))
             if flagged:
                 log.warning("stage %d step %d: outlier gradients from %s", self.s.stage_index, step, flagged)
-            await self.s.commit(step, box.full, len(members), samples, cross, flagged)
+            await self.s.commit(step, box.full, len(members), samples, summed_twice, flagged)
             committed = True
         except (RoundFailed, TransportError, RpcError, TimeoutError) as exc:
             self.last_failure = f"step {step}: {type(exc).__name__}: {exc}"

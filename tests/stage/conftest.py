@@ -54,7 +54,8 @@ every_steps = {every}
 """
 
 JOB = hashlib.sha256(b"stage-test-job").digest()
-FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=3.0, max_wait_s=5.0)
+FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=3.0, max_wait_s=5.0,
+                   resume_after_s=1.0)
 
 
 def make_spec(global_samples=8, microbatch=2, optim="sgd", stages=2, delayed=False, every=0):

@@ -87,7 +87,7 @@ async def test_peers_of_a_stage_step_together_and_equal_the_reference(kit, clien
             for p in peers:
                 record = p.service.records[-1]
                 assert record.step == step and record.members == 3 and record.samples == 8
-                assert record.duplicates == 0
+                assert record.summed_duplicates == 0 and record.dropped_repeats == 0
     finally:
         for p in peers:
             await p.close()

@@ -38,8 +38,10 @@ async def until(predicate, timeout=10.0):
 
 async def test_a_microbatch_on_two_peers_is_counted_not_subtracted(kit, client):
     """Steps: microbatches 0,1,2 to peer A and 2,3 to peer B (mb 2 twice, as when a timed-out call
-    did complete). Expected: the step commits with duplicates = 1 and 10 samples in the record, and
-    the parameters equal a reference that applied mb 2's gradient twice."""
+    did complete), and mb 0 to A once more (a repeat A refuses). Expected: the step commits with 10
+    samples in A's record, summed_duplicates = 1 (mb 2, in both sums) and dropped_repeats = 1 (mb 0,
+    summed once), so samples - summed_duplicates x microbatch_samples = global_samples; and the
+    parameters equal a reference that applied mb 2's gradient twice and mb 0's once."""
     spec = kit.make_spec(stages=3, optim="sgd")
     directory = StaticDirectory()
     a = await kit.start_peer(spec, STAGE, 1, directory)
@@ -47,12 +49,15 @@ async def test_a_microbatch_on_two_peers_is_counted_not_subtracted(kit, client):
     try:
         for m in (0, 1, 2):
             await backward(kit, client, a, 0, m)
+        assert (await backward(kit, client, a, 0, 0)).meta["duplicate"] is True
         for m in (2, 3):
             await backward(kit, client, b, 0, m)
         await until(lambda: all(p.service.records for p in (a, b)))
         record = a.service.records[-1]
         print("step record with a duplicate:", record)
-        assert record.duplicates == 1 and record.samples == 10 and record.members == 2
+        assert record.samples == 10 and record.members == 2
+        assert record.summed_duplicates == 1 and record.dropped_repeats == 1
+        assert record.samples - record.summed_duplicates * spec.batch.microbatch_samples == spec.batch.global_samples
         ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
         opt = StageOptimizer(ref, spec.optim, spec.steps)
         for m in (0, 1, 2, 2, 3):

@@ -4,6 +4,7 @@ up the step the rest of the swarm committed (when another stage's live peer show
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -119,3 +120,41 @@ async def test_a_peer_holding_gradients_of_its_step_never_skips(kit, client, tmp
     finally:
         await restored.close()
         await witness.close()
+
+
+async def test_a_lagging_peer_whose_mate_is_out_of_sight_for_a_moment_downloads_rather_than_skips(
+        kit, client, tmp_path):
+    """Steps: stage 0 at step 4; stage 1 has a peer at step 4 and a peer one step behind (3) whose
+    directory read misses its mate (as a DHT read can); a backward for step 4 reaches the lagging
+    peer and waits there; then its directory shows the mate again.
+    Expected: the call is accepted for step 4 once the lagging peer has downloaded its mate's state
+    (same parameters), and it skipped nothing: one look finding no mate ahead is not evidence that
+    the stage lost steps (resume_after_s is 30 s here, far beyond the test)."""
+    spec = kit.make_spec(stages=3, every=2)
+    plant_checkpoint(spec, tmp_path / "witness", kit, 0, 4)
+    plant_checkpoint(spec, tmp_path / "ahead", kit, STAGE, 4)
+    plant_checkpoint(spec, tmp_path / "behind", kit, STAGE, 3)
+    limits = dataclasses.replace(kit.FAST, resume_after_s=30.0, max_wait_s=60.0)
+    directory, partial = StaticDirectory(), StaticDirectory()
+    witness = await kit.start_peer(spec, 0, 1, directory, limits, state_dir=tmp_path / "witness")
+    ahead = await kit.start_peer(spec, STAGE, 2, directory, limits, state_dir=tmp_path / "ahead")
+    partial.set(kit.JOB, 0, [StagePeer(witness.service.peer_id, witness.addr, 0)])
+    behind = await kit.start_peer(spec, STAGE, 3, partial, limits, state_dir=tmp_path / "behind")
+    try:
+        assert (behind.service.committed, ahead.service.committed) == (3, 4)
+        call = asyncio.create_task(kit.call(client, behind, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)),
+                                            timeout=60.0))
+        async with asyncio.timeout(30):
+            while behind.service._waiting == 0:  # it looked, found no mate ahead, and parked the call
+                assert not call.done(), call.result()
+                await asyncio.sleep(0.01)
+            partial.set(kit.JOB, STAGE, [*await partial.peers(kit.JOB, STAGE),
+                                         StagePeer(ahead.service.peer_id, ahead.addr, STAGE)])
+            reply = await call
+        assert reply.meta["duplicate"] is False
+        assert not behind.service.skipped and behind.service.committed == 4
+        for (name, p), q in zip(behind.service.stage.state_dict().items(), ahead.service.stage.state_dict().values()):
+            assert torch.equal(p, q), name
+    finally:
+        for peer in (behind, ahead, witness):
+            await peer.close()
