@@ -1,0 +1,109 @@
+"""A rebalancing move and a join on one daemon never run at once (`Serving`'s join lock): a move asked
+for during a join is skipped with its reason, a join asked for during a move waits and then finds the
+stage the move brought in. Without the lock both would start a service for the same stage.
+
+In-process: the stage services are stand-ins whose start waits on a gate, because what is tested is
+the order `Serving` runs them in (the moves themselves run between real daemons in
+tests/rebalance/test_rebalance_daemons.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+import swarmd.jobs.serving as serving_module
+from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.jobs.serving import Served, Serving
+from swarmd.rebalance.mover import MoveFailed
+from swarmd.stage.limits import StageLimits
+
+JOB, ME = b"j" * 32, b"m" * 32
+SPEC = SimpleNamespace(pipeline=SimpleNamespace(stages=3))
+QUICK = SimpleNamespace(sync_interval_s=0.01, progress_timeout_s=0.01)
+
+
+class GatedService:
+    """A stage service whose start waits until its stage's gate opens; every one built is recorded."""
+
+    built: list["GatedService"] = []
+    gates: dict[int, asyncio.Event] = {}
+
+    def __init__(self, spec, job_id, stage, *args, **kwargs) -> None:
+        self.spec, self.stage, self.state, self.committed = spec, stage, "joining", 0
+        self.limits, self.executor = QUICK, SimpleNamespace(samples_per_s=1.0, depth=0)
+        self.sync = SimpleNamespace(in_round=False)
+        GatedService.built.append(self)
+
+    async def start(self) -> None:
+        await GatedService.gates.setdefault(self.stage, asyncio.Event()).wait()
+        self.state = "serving"
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+
+    def announcement(self) -> dict:
+        return {"samples_per_s": 1.0, "queue": 0, "step": self.committed, "state": self.state}
+
+
+class RecordingDHT:
+    def announce(self, key, value_fn):
+        return SimpleNamespace(key=key, value_fn=value_fn)
+
+    async def withdraw(self, ann) -> int:
+        return 1
+
+
+@pytest.fixture
+def serving(monkeypatch) -> Serving:
+    monkeypatch.setattr(serving_module, "StageService", GatedService)
+    GatedService.built, GatedService.gates = [], {0: asyncio.Event()}
+    GatedService.gates[0].set()
+    mates = {(JOB, 0): [StagePeer(b"x" * 32, "127.0.0.1:2", 0)], (JOB, 2): [StagePeer(b"y" * 32, "127.0.0.1:4", 2)]}
+    serving = Serving(RecordingDHT(), None, None, StaticDirectory(mates), peer_id=ME, address="127.0.0.1:1",
+                      device="cpu", state_dir=None, limits=StageLimits(), max_stages=4)
+    old = GatedService(SPEC, JOB, 0)
+    old.state = "serving"
+    serving.served[(JOB, 0)] = Served(old, RecordingDHT().announce(b"k", old.announcement))
+    return serving
+
+
+async def until(predicate) -> None:
+    async with asyncio.timeout(5):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def built_for(stage: int) -> int:
+    return sum(s.stage == stage for s in GatedService.built)
+
+
+async def test_a_move_during_a_join_is_skipped_and_leaves_everything_as_it_was(serving) -> None:
+    gate = GatedService.gates[2] = asyncio.Event()
+    join = asyncio.create_task(serving.serve(SPEC, JOB, 2))
+    await until(lambda: built_for(2) == 1)  # the join is starting its service
+    old = serving.served[(JOB, 0)].service
+    with pytest.raises(MoveFailed, match="a join or leave is under way"):
+        async with asyncio.timeout(5):
+            await serving.move(JOB, 0, 2)
+    assert old.state == "serving" and not serving.moving and not serving.moves
+    gate.set()
+    joined = await join
+    assert serving.served[(JOB, 2)].service is joined and serving.served[(JOB, 0)].service is old
+    assert built_for(2) == 1
+
+
+async def test_a_join_during_a_move_waits_and_finds_the_moved_in_stage(serving) -> None:
+    gate = GatedService.gates[2] = asyncio.Event()
+    move = asyncio.create_task(serving.move(JOB, 0, 2, drain_timeout_s=2.0))
+    await until(lambda: built_for(2) == 1)  # drained, now joining stage 2
+    join = asyncio.create_task(serving.serve(SPEC, JOB, 2))
+    await asyncio.sleep(0.1)
+    assert not join.done() and built_for(2) == 1  # waiting for the move, not starting a second service
+    gate.set()
+    record = await move
+    joined = await join
+    assert record.target == 2 and not record.error
+    assert serving.served[(JOB, 2)].service is joined and (JOB, 0) not in serving.served
+    assert built_for(2) == 1
