@@ -13,7 +13,6 @@ it had already joined is let finish (it commits the step with its gradients in i
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -60,28 +59,6 @@ async def serving_peers(directory: StageDirectory, job_id: bytes, stage: int, me
 
 
 async def drain(service, timeout_s: float) -> bool:
-    """Stop `service` taking new work and wait until the work it holds is done; False on timeout.
-
-    "Done" means nothing queued or computing, no all-reduce round under way, and that for long
-    enough (a few sync intervals) that every stage-mate has polled us as draining, so none starts
-    a round with us after we looked. A catch-up download that was running when the drain began
-    ends by setting the state back to serving; the state is re-asserted on every look.
-    """
-    quiet_s = 3 * service.limits.sync_interval_s + service.limits.progress_timeout_s
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    quiet_since: float | None = None
-    while True:
-        if service.state == SERVING:
-            service.state = DRAINING
-        now = loop.time()
-        idle = service.executor.depth == 0 and not service.sync.in_round and service.state == DRAINING
-        if not idle:
-            quiet_since = None
-        elif quiet_since is None:
-            quiet_since = now
-        elif now - quiet_since >= quiet_s:
-            return True
-        if now >= deadline:
-            return False
-        await asyncio.sleep(service.limits.sync_interval_s)
+    """Drain the old stage's `StageService` (see `StageService.drain`: no new work, what it holds
+    finished, mates told); False when work was still held after `timeout_s`."""
+    return await service.drain(timeout_s)

@@ -126,6 +126,43 @@ class StageService:
         self._aux.shutdown(wait=False, cancel_futures=True)
         self.state = "stopped"
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop taking new work and wait until the work this peer holds is done; False on timeout.
+
+        While draining, compute calls are answered `busy` (trainers reroute them), and progress
+        replies and the announcement say `draining`, so mates leave this peer out of new rounds and
+        report the microbatch ids they saw it hold as `missing` (trainers re-send those to peers
+        that stay): what it accumulated for the uncommitted step is not handed over, never counted
+        twice. "Done" means nothing queued or computing and no round under way (a round already
+        joined finishes and commits with this peer's gradients in it), and that for long enough (a
+        few sync intervals plus a progress timeout) that every mate has polled us as draining, so
+        none starts a round with us after we looked. A catch-up download running when the drain
+        begins ends by setting the state back to serving; each look re-asserts draining.
+        """
+        quiet_s = 3 * self.limits.sync_interval_s + self.limits.progress_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        quiet_since: float | None = None
+        while True:
+            if self.state == "serving":
+                self.state = "draining"
+            now = loop.time()
+            if self.executor.depth or self.sync.in_round or self.state != "draining":
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= quiet_s:
+                return True
+            if now >= deadline:
+                return False
+            await asyncio.sleep(self.limits.sync_interval_s)
+
+    def undrain(self) -> None:
+        """A drain given up (the move it was for failed): take work again. Behind its mates by now,
+        maybe; the sync loop then catches up by download."""
+        if self.state == "draining":
+            self.state = "serving"
+
     def _build(self) -> None:
         self.stage = build_stage(self.spec.model.config, self.stage_index, self.spec.pipeline.stages,
                                  self.spec.seed, self.device)
@@ -161,7 +198,8 @@ class StageService:
         try:
             await self._download(mates)
         finally:
-            self.state = "serving"
+            if self.state == "joining":
+                self.state = "serving"
 
     async def _download(self, mates: list[tuple[bytes, str]]) -> bool:
         for peer_id, addr in mates:
