@@ -122,8 +122,35 @@ def _status_text(s: dict[str, Any]) -> str:
         ("peers", f"{s['peers']['alive']} alive of {s['peers']['known']} known"),
         ("bootstrap", "joined" if s["bootstrap"]["joined"] else f"alone ({s['bootstrap']['state']})"),
         ("serving", serving), ("state", "draining" if s["draining"] else "running"),
+        *_rebalance_rows(s.get("rebalance"), time.time()),
     ]
     return "\n".join(f"{name:<10} {value}" for name, value in rows)
+
+
+def _rebalance_rows(r: dict[str, Any] | None, now: float) -> list[tuple[str, str]]:
+    """`status` text on rebalancing: on/off and period, moves since start, each job's last check,
+    and the last move (from -> to, how long it took, or why it failed)."""
+    if r is None:
+        return []
+    if not r["enabled"]:
+        return [("rebalance", "off")]
+    failed = f" ({r['failed_moves_total']} failed)" if r.get("failed_moves_total") else ""
+    rows = [("rebalance", f"on, every {r['period_s']:g} s; {r.get('moves_total', 0)} moves{failed}")]
+    for job in r["jobs"]:
+        last = job["last_decision"]
+        if last is None or job.get("last_check_s_ago") is None:
+            check = "not checked yet"
+        else:
+            check = f"last check {_duration(job['last_check_s_ago'])} ago: {last['reason']}"
+            check += f"; next in {_duration(max(0.0, last['next_check_in_s']))}"
+        rows.append(("", f"job {job['job'][:16]} (stage {', '.join(map(str, job['stages'])) or '-'}): {check}"))
+    if r["moves"]:
+        m = r["moves"][-1]
+        how = (f"in {m['total_s']:.1f} s ({m['drain_s']:.1f} s draining)" if not m["error"]
+               else f"failed after {m['total_s']:.1f} s: {m['error']}")
+        rows.append(("last move", f"job {m['job'][:16]} stage {m['source']} -> {m['target']} {how}, "
+                                  f"{_duration(max(0.0, now - m['at']))} ago"))
+    return rows
 
 
 def _peers_text(peers: list[dict[str, Any]]) -> str:

@@ -149,10 +149,12 @@ class JobRebalancer:
     def status(self) -> dict[str, Any]:
         last = self.loop.decisions[-1] if self.loop.decisions else None
         stats = self.gossip.stats
+        checked = self.loop.last_check_at
         return {
             "job": self.job_id.hex(), "stages": self.stages(),
             "moves": self.loop.moves, "failed_moves": self.loop.failed_moves,
             "moving_s": round(self.loop.moving_s, 3),
+            "last_check_s_ago": None if checked is None else round(self.loop.clock.time() - checked, 1),
             "last_decision": None if last is None else {"move_to": last.move_to, "reason": last.reason,
                                                          "next_check_in_s": round(last.next_check_at - time.time(), 1)},
             "gossip": {"rounds": stats.rounds, "exchanges_ok": stats.exchanges_ok,
@@ -169,6 +171,7 @@ class Rebalancing:
         self.settings, self.metrics = settings, metrics
         self.dispatch = GossipDispatch(router)
         self.jobs: dict[bytes, JobRebalancer] = {}
+        self.moves_total = self.failed_moves_total = 0  # since the daemon started, every job
         self._tasks = TaskSet("rebalancing")
 
     def start(self) -> None:
@@ -210,11 +213,16 @@ class Rebalancing:
                      self.settings.policy.period_s, self.settings.gossip.period_s)
 
     def _count_move(self, ok: bool, seconds: float) -> None:
+        if ok:
+            self.moves_total += 1
+        else:
+            self.failed_moves_total += 1
         self.metrics.rebalance_moves.labels("ok" if ok else "failed").inc()
         self.metrics.rebalance_moving_seconds.inc(seconds)
 
     def status(self) -> dict[str, Any]:
         """For `swarmctl status`: per job the loop's counters, and the daemon's recent moves."""
         return {"enabled": self.settings.enabled, "period_s": self.settings.policy.period_s,
+                "moves_total": self.moves_total, "failed_moves_total": self.failed_moves_total,
                 "jobs": [job.status() for job in self.jobs.values()],
                 "moves": [asdict(m) for m in self.serving.moves]}

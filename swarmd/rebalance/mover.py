@@ -47,6 +47,7 @@ class RebalanceLoop:
         self.moves = 0
         self.failed_moves = 0
         self.moving_s = 0.0  # wall time spent inside `move`, successful or not
+        self.last_check_at: float | None = None  # clock time of the last check (for status)
         self._tasks = TaskSet("rebalance")
 
     def start(self) -> None:
@@ -66,7 +67,7 @@ class RebalanceLoop:
 
     async def check(self) -> float:
         """One check: plan, and move if the plan confirmed this peer. Returns when to check next."""
-        now = self.clock.time()
+        now = self.last_check_at = self.clock.time()
         decision = plan(await self.table(), self.me, now, self.state, self.config)
         self.state = decision.state
         self.decisions.append(decision)

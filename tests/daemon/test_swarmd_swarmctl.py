@@ -48,9 +48,34 @@ def test_status_json_from_the_console_script(daemon, swarmctl) -> None:
 def test_status_text_and_peers(daemon, capsys) -> None:
     status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "status")
     assert status == EXIT_OK and err == "" and out.startswith("peer id    ")
+    assert "\nrebalance  on, every 300 s; 0 moves\n" in out  # the defaults; no job served, no move yet
     status, out, err = run_ctl(capsys, "peers", "--socket", str(daemon.socket), "--json")
     (me,) = json.loads(out)
     assert me["self"] and me["alive"] and me["address"] == daemon.status["announce"]
+
+
+def test_status_text_shows_rebalancing_checks_and_the_last_move() -> None:
+    """The text of `status`'s `rebalance` section, from a section as the daemon sends it."""
+    now = 1_000_000.0
+    job = "ab" * 32
+    section = {
+        "enabled": True, "period_s": 60.0, "moves_total": 2, "failed_moves_total": 1,
+        "jobs": [{"job": job, "stages": [1], "moves": 2, "failed_moves": 1, "moving_s": 9.5, "last_check_s_ago": 12.0,
+                  "last_decision": {"move_to": None, "reason": "stage 1 is not the strongest", "next_check_in_s": 48.0},
+                  "gossip": {}}],
+        "moves": [{"job": job, "source": 0, "target": 1, "drain_s": 2.3, "join_s": 0.4, "total_s": 2.7, "step": 5,
+                   "error": "", "at": now - 125}],
+    }
+    rows = dict(enumerate(ctl._rebalance_rows(section, now)))
+    assert rows[0] == ("rebalance", "on, every 60 s; 2 moves (1 failed)")
+    assert rows[1] == ("", f"job {job[:16]} (stage 1): last check 12s ago: stage 1 is not the strongest; next in 48s")
+    assert rows[2] == ("last move", f"job {job[:16]} stage 0 -> 1 in 2.7 s (2.3 s draining), 2m 5s ago")
+    section["moves"].append({**section["moves"][0], "target": 2, "error": "no live peer serves stage 2", "at": now})
+    section["jobs"][0]["last_decision"] = section["jobs"][0]["last_check_s_ago"] = None
+    rows = ctl._rebalance_rows(section, now)
+    assert rows[1][1].endswith("(stage 1): not checked yet")
+    assert rows[2] == ("last move", f"job {job[:16]} stage 0 -> 2 failed after 2.7 s: no live peer serves stage 2, 0s ago")
+    assert ctl._rebalance_rows({**section, "enabled": False}, now) == [("rebalance", "off")]
 
 
 def test_bad_spec_file_is_a_usage_error(daemon, capsys, tmp_path) -> None:
