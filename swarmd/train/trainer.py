@@ -183,6 +183,8 @@ class Trainer:
         self._waiting: dict[tuple[str, int], str] = {}  # (what, stage) -> message
         self._counters = _Counters()
         self._resent_at: dict[tuple[int, int], float] = {}  # (stage, mb id) -> loop time
+        # (stage, mb id) -> the peer that answered a re-send of it as a repeat it already holds
+        self._held_by: dict[tuple[int, int], bytes] = {}
         self._ban_log: deque[BanRecord] = deque(maxlen=config.ban_log_kept)
         self._verify_rng = random.Random(f"verify {config.wiring.seed} {shard}")
 
@@ -362,17 +364,25 @@ class Trainer:
                 self._ban(stage, pick.peer, f"stage.forward returned a bad reply: {problem}")
             failed.add(pick.peer.peer_id)
 
-    def _send_last(self, step: int, record: _Record) -> Awaitable[Message]:
+    async def _send_last(self, step: int, record: _Record) -> Message:
+        reply, _ = await self._send_last_on(step, record)
+        return reply
+
+    def _send_last_on(self, step: int, record: _Record) -> Awaitable[tuple[Message, StagePeer]]:
         x = record.inputs[-1]
         first = self.num_stages == 1
-        return self._call(self.num_stages - 1, Kind.FORWARD_BACKWARD, "stage.forward_backward", step, record.mb,
-                          [x, record.mb.targets], self.spec.wire.activations,
-                          lambda r: check_forward_backward(r, x, first))
+        return self._call_on(self.num_stages - 1, Kind.FORWARD_BACKWARD, "stage.forward_backward", step, record.mb,
+                             [x, record.mb.targets], self.spec.wire.activations,
+                             lambda r: check_forward_backward(r, x, first))
 
-    def _send_backward(self, stage: int, step: int, record: _Record) -> Awaitable[Message]:
+    async def _send_backward(self, stage: int, step: int, record: _Record) -> Message:
+        reply, _ = await self._send_backward_on(stage, step, record)
+        return reply
+
+    def _send_backward_on(self, stage: int, step: int, record: _Record) -> Awaitable[tuple[Message, StagePeer]]:
         x, grad = record.inputs[stage], record.grads[stage]
-        return self._call(stage, Kind.BACKWARD, "stage.backward", step, record.mb, [x, grad],
-                          self.spec.wire.gradients, lambda r: check_backward(r, x, stage == 0))
+        return self._call_on(stage, Kind.BACKWARD, "stage.backward", step, record.mb, [x, grad],
+                             self.spec.wire.gradients, lambda r: check_backward(r, x, stage == 0))
 
     # ------------------------------------------------------------------ commit
 
@@ -403,7 +413,7 @@ class Trainer:
 
     async def _wait_committed(self, step: int, records: list[_Record]) -> list[tuple[int, int]]:
         """Poll until every stage committed `step`, re-sending what a stage lost. Returns, per stage,
-        the (samples, duplicates) of its step record (-1 where no peer reported one)."""
+        the (samples, summed_duplicates) of its step record (-1 where no peer reported one)."""
         by_id = {r.mb.id: r for r in records}
         committed: dict[int, tuple[int, int]] = {}
         uncovered_since: dict[tuple[int, int], float] = {}
@@ -415,7 +425,8 @@ class Trainer:
             for i in range(self.num_stages):
                 if i in committed:
                     continue
-                infos = await self._stage_infos(i)
+                answers = await self._stage_answers(i)
+                infos = list(answers.values())
                 done = [info for info in infos if _int(info.get("step")) > step]
                 self._commit_status(i, step, infos, done, loop.time() - began)
                 if done:
@@ -427,12 +438,15 @@ class Trainer:
                         committed[i] = record
                     continue
                 lost = self._lost(i, step, infos, set(by_id), uncovered_since, loop.time())
+                for mb in [mb for mb in lost if _int(answers.get(self._held_by.get((i, mb)), {}).get("step"), -1) == step]:
+                    del lost[mb]  # its holder answered at this step: the reports lag what it holds
                 await self._resend(i, step, [(by_id[mb], why) for mb, why in sorted(lost.items())])
             if len(committed) < self.num_stages:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, self.config.commit_poll_max_s)
-        for key in [k for k in self._resent_at if k[1] in by_id]:
-            del self._resent_at[key]
+        for table in (self._resent_at, self._held_by):
+            for key in [k for k in table if k[1] in by_id]:
+                del table[key]
         return [committed[i] for i in range(self.num_stages)]
 
     def _commit_status(self, stage: int, step: int, infos: list[dict[str, Any]], done: list, waited: float) -> None:
@@ -477,16 +491,26 @@ class Trainer:
                 continue
             log.info("stage %d lost microbatch %d of step %d (%s): re-sending", stage, record.mb.id, step, why)
             try:
-                if stage == self.num_stages - 1:
-                    await self._send_last(step, record)
-                else:
-                    await self._send_backward(stage, step, record)
+                reply, peer = await (self._send_last_on(step, record) if stage == self.num_stages - 1
+                                     else self._send_backward_on(stage, step, record))
             except _Stale:
                 pass  # the stage committed meanwhile: nothing is missing any more
+            else:
+                if reply.meta.get("duplicate") is True:
+                    # The peer already held it: the stage has it, whatever its mates last reported.
+                    # Re-sending again would only be refused again (a run once saw 79 such repeats
+                    # of one step); while this peer answers at the step, it is not re-sent.
+                    self._held_by[key] = peer.peer_id
+                    log.info("stage %d peer %s already holds microbatch %d of step %d", stage, peer.addr,
+                             record.mb.id, step)
             self._counters.resent += 1
             self._resent_at[key] = asyncio.get_running_loop().time()
 
     async def _stage_infos(self, stage: int) -> list[dict[str, Any]]:
+        return list((await self._stage_answers(stage)).values())
+
+    async def _stage_answers(self, stage: int) -> dict[bytes, dict[str, Any]]:
+        """peer id -> `stage.info` meta, for the usable peers of the stage that answered."""
         peers = await self._usable_peers(stage)
         results: list[dict[str, Any] | None] = [None] * len(peers)
 
@@ -496,7 +520,7 @@ class Trainer:
         async with asyncio.TaskGroup() as tasks:
             for j, peer in enumerate(peers):
                 tasks.create_task(ask(j, peer))
-        return [r for r in results if r is not None]
+        return {peer.peer_id: r for peer, r in zip(peers, results) if r is not None}
 
     async def _info(self, stage: int, peer: StagePeer) -> dict[str, Any] | None:
         message = Message({"job": self.job_id, "stage": stage}, codec="none")
@@ -529,15 +553,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ one call, until it succeeds
 
-    async def _call(self, stage: int, kind: Kind, method: str, step: int, mb: Microbatch,
-                    tensors: list[torch.Tensor], codec: str, check: Callable[[Message], str | None]) -> Message:
-        reply, _ = await self._call_on(stage, kind, method, step, mb, tensors, codec, check)
-        return reply
-
     async def _call_on(self, stage: int, kind: Kind, method: str, step: int, mb: Microbatch,
                        tensors: list[torch.Tensor], codec: str,
                        check: Callable[[Message], str | None]) -> tuple[Message, StagePeer]:
-        """`_call`, also saying which peer answered."""
+        """The call's reply, and which peer gave it."""
         samples = len(mb.sample_indices)
         meta = {"job": self.job_id, "stage": stage, "step": step, "mb": mb.id, "samples": samples}
         timeout = self.config.forward_timeout_s if kind is Kind.FORWARD else self.config.backward_timeout_s
@@ -680,11 +699,12 @@ def _ints(value: Any) -> list[int]:
 
 
 def _step_record(infos: list[dict[str, Any]], step: int) -> tuple[int, int]:
-    """(samples, duplicates) of `step` from the `last_step` record of peers that just committed it."""
+    """(samples, summed_duplicates) of `step` from the `last_step` record of peers that just committed
+    it: the microbatches summed twice, which are what `samples` exceeds global_samples by."""
     for info in infos:
         record = info.get("last_step")
         if isinstance(record, dict) and _int(record.get("step"), -1) == step:
-            return _int(record.get("samples"), -1), _int(record.get("duplicates"), -1)
+            return _int(record.get("samples"), -1), _int(record.get("summed_duplicates"), -1)
     return -1, -1
 
 

@@ -125,7 +125,7 @@ class Run:
     rss: dict[tuple[str, int], list[tuple[int, int]]] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     last_step: int = 0  # the job's step at the last poll
-    duplicates: int = 0  # duplicate microbatches summed over the steps' records
+    duplicates: int = 0  # microbatches summed on two peers, over the steps' records
 
     def note(self, text: str) -> None:
         self.log.append(f"{time.strftime('%H:%M:%S')} step {self.last_step}: {text}")
@@ -196,8 +196,9 @@ def submit(swarm: LocalSwarm, trainer: PeerProcess, raw_spec: dict[str, Any], da
 
 
 def check_steps(run: Run, raw_spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every step committed once, each stage's step record covering at least `global_samples` (and
-    more only by microbatches it reports as duplicates), and the loss going down."""
+    """Every step committed once, each stage's step record covering exactly `global_samples` once its
+    microbatches summed on two peers (`duplicates` in the step event: the record's summed_duplicates)
+    are set apart, and the loss going down."""
     events = [e for e in run.trainer.client().logs(run.job) if e["kind"] == "step"]
     steps = [e["step"] for e in events]
     assert steps == list(range(1, run.steps + 1)), f"steps seen: {steps}"
@@ -208,10 +209,9 @@ def check_steps(run: Run, raw_spec: dict[str, Any]) -> list[dict[str, Any]]:
             if samples < 0 or dups < 0:
                 unknown += 1
                 continue
-            # `duplicates` also counts repeats a peer refused and late arrivals it dropped, which are
-            # not in `samples`; only microbatches summed on two peers are, so they bound the excess.
-            assert batch["global_samples"] <= samples <= batch["global_samples"] + dups * batch["microbatch_samples"], (
-                f"step {event['step']} stage {stage}: {samples} samples with {dups} duplicate microbatches")
+            # Repeats a peer refused or dropped are in neither number (the record's dropped_repeats).
+            assert samples - dups * batch["microbatch_samples"] == batch["global_samples"], (
+                f"step {event['step']} stage {stage}: {samples} samples with {dups} microbatches summed twice")
     records = len(events) * raw_spec["pipeline"]["stages"]
     # A record a stage had not published yet when the trainer asked 5 times is reported as -1; rare.
     assert unknown <= records // 10, f"{unknown} of {records} stage step records unknown"
