@@ -32,6 +32,10 @@ from .storage import Storage
 
 log = logging.getLogger(__name__)
 
+#: Refusals that mean the sender tried to write what its key does not cover: named in the log.
+FORGERY_REASONS = frozenset({"bad_signature", "wrong_owner", "unsigned"})
+FORGERS_REMEMBERED = 1024
+
 #: Self-lookups a bootstrap makes while its table is still filling (each one learns from the last).
 BOOTSTRAP_LOOKUPS = 3
 
@@ -63,6 +67,10 @@ class DHTNode:
         self.last_lookup: LookupResult | None = None
         #: Every lookup this node ran, by kind and outcome (the daemon's metrics read it).
         self.lookup_stats = LookupStats()
+        #: Records refused from other peers' stores, by RecordRejected reason (a closed set).
+        self.refused_records: dict[str, int] = {}
+        #: Senders of forged records most recently reported (see _report_forger), oldest first.
+        self.forgers: OrderedDict[bytes, None] = OrderedDict()
         self._rng = random.Random(self.peer_id)
         self._backoff: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self._cache: dict[bytes, tuple[float, dict[bytes, Record]]] = {}
@@ -408,8 +416,23 @@ class DHTNode:
         try:
             self.storage.put(record, sender, self.clock.time())
         except RecordRejected as e:
+            self.refused_records[e.reason] = self.refused_records.get(e.reason, 0) + 1
+            if e.reason in FORGERY_REASONS:
+                self._report_forger(sender, record, e)
             return e.reason
         return "ok"
+
+    def _report_forger(self, sender: bytes, record: Record, error: RecordRejected) -> None:
+        """Name a peer that stored a record it could not have signed honestly: once per sender
+        among the last FORGERS_REMEMBERED, so a forger cannot flood the log either."""
+        if sender in self.forgers:
+            self.forgers.move_to_end(sender)
+            return
+        self.forgers[sender] = None
+        while len(self.forgers) > FORGERS_REMEMBERED:
+            self.forgers.popitem(last=False)
+        log.warning("peer %s stored a forged record (%s) under subkey %s of %r; refused", sender.hex(),
+                    error, record.subkey.hex()[:64], record.key[:64])
 
     # ----- background work -----
 

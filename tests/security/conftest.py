@@ -83,6 +83,7 @@ class Honest:
     service: StageService
     rpc: RpcServer
     pool: Pool
+    identity: Identity | None  # with `rpc` settings: the key its connections prove (peer_id is its id)
 
     @property
     def addr(self) -> str:
@@ -135,8 +136,9 @@ class Swarm:
 
     async def add_honest(self, stage: int, k: int) -> Honest:
         router = Router()
-        peer_id = bytes([stage, k]) * 16
-        config = self.rpc_config(peer_id)
+        seed = bytes([stage, k]) * 16
+        config = self.rpc_config(seed)
+        peer_id = config.identity.peer_id if config.identity is not None else seed
         rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=config)
         pool = Pool(config)
         addr = f"{rpc.address[0]}:{rpc.address[1]}"
@@ -144,7 +146,7 @@ class Swarm:
                                address=addr, limits=self.limits)
         await service.start()
         await self.announce(stage, peer_id, addr)
-        peer = Honest(peer_id, stage, service, rpc, pool)
+        peer = Honest(peer_id, stage, service, rpc, pool, config.identity)
         self.honest.append(peer)
         return peer
 

@@ -15,6 +15,9 @@ Other modes do not serve a stage at all; they attack one address (`--target`) of
   `FLOOD_CALLERS` concurrent loops as fast as it gets answers;
 - `spoof`: it dials the target again and again claiming the peer id of `--victim-key` (a public
   key it does not hold), and tries `stage.info` on each connection;
+- `forge`: it stores stage announcements pointing at itself into the DHT node at the target,
+  under the victim's subkey: once with the victim's public key and its own signature, once
+  signed by itself (the subkey is then not the signer's); repeatedly, `FORGE_PAUSE_S` apart;
 - `slowloris`: from source address `SLOWLORIS_SOURCE` it keeps `SLOWLORIS_CONNECTIONS` connections
   open to the target, trickling one byte of a hello every `SLOWLORIS_TRICKLE_S`, and opens a new
   one whenever the target drops one.
@@ -30,10 +33,14 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 
 import torch
 
+from swarmd.dht import protocol as dht_protocol
+from swarmd.dht.records import Record, sign_record, signing_payload
 from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.jobs.directory import announcement_value, stage_key
 from swarmd.job import load_spec
 from swarmd.stage import StageLimits, StageServer, StageService
 from transport.errors import HandshakeError, RemoteError
@@ -42,7 +49,9 @@ from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 
 CLAIMED_SAMPLES_PER_S = 1e9
 FLOOD_CALLERS = 8
-ATTACKS = ("flood", "spoof", "slowloris")
+ATTACKS = ("flood", "spoof", "forge", "slowloris")
+FORGE_PAUSE_S = 0.05
+FORGED_ADDR = "127.0.0.1:9"  # where the forged announcements say the victim serves
 SPOOF_PAUSE_S = 0.05
 SLOWLORIS_SOURCE = "127.0.0.2"  # another loopback address: its per-source quota is not the swarm's
 SLOWLORIS_CONNECTIONS = 24
@@ -136,6 +145,28 @@ async def spoof(pool: Pool, target: str, job_id: bytes, stage: int, stop: asynci
     return counts
 
 
+async def forge(pool: Pool, identity: Identity, target: str, job_id: bytes, stage: int, victim_key: bytes,
+                stop: asyncio.Event) -> dict:
+    """Count the DHT node's answer to each forged record (its reasons, "ok" if one got in)."""
+    counts: dict[str, int] = {}
+    key, victim = stage_key(job_id, stage), peer_id_of(victim_key)
+    while not stop.is_set():
+        expiration = time.time() + 60
+        value = announcement_value(FORGED_ADDR, {"samples_per_s": 1e9, "step": 0, "state": "serving"})
+        payload = signing_payload(key, victim, value, expiration)
+        records = [Record(key, victim, value, expiration, identity.sign(payload), victim_key),
+                   sign_record(identity, key, victim, value, expiration)]
+        try:
+            reply = await pool.call(target, dht_protocol.STORE,
+                                    Message(dht_protocol.store_request(key, records)), timeout=10)
+            for result in reply.meta["results"]:
+                counts[result] = counts.get(result, 0) + 1
+        except (RemoteError, ConnectionError, OSError, TimeoutError) as exc:
+            counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
+        await asyncio.sleep(FORGE_PAUSE_S)
+    return counts
+
+
 async def slowloris(target: str, stop: asyncio.Event) -> dict:
     """Count connections the target dropped after we held them (its deadline) and at once (its quota)."""
     host, port = target.rsplit(":", 1)
@@ -176,6 +207,8 @@ async def slowloris(target: str, stop: asyncio.Event) -> dict:
 
 async def attack(args: argparse.Namespace, job_id: bytes) -> None:
     identity = Identity.generate()
+    if args.mode in ("spoof", "forge") and not args.victim_key:
+        raise SystemExit(f"--mode {args.mode} needs --victim-key")
     if args.mode == "spoof":
         victim = bytes.fromhex(args.victim_key)
         # Our own private key behind the victim's public key: the hello claims its id, the
@@ -187,6 +220,7 @@ async def attack(args: argparse.Namespace, job_id: bytes) -> None:
     work = {
         "flood": lambda: flood(pool, args.target, job_id, args.stage, stop),
         "spoof": lambda: spoof(pool, args.target, job_id, args.stage, stop),
+        "forge": lambda: forge(pool, identity, args.target, job_id, args.stage, bytes.fromhex(args.victim_key), stop),
         "slowloris": lambda: slowloris(args.target, stop),
     }[args.mode]
     try:

@@ -48,9 +48,9 @@ async def test_a_spoofed_peer_id_is_refused_in_the_hello_while_training_goes_on(
 
     swarm, data, pool = await hostile_swarm(
         2, 0, "spoof", steps=STEPS, rpc={"rate_limit_per_s": 1000.0},
-        target=lambda s: stage0(s)[0].addr, victim=lambda s: s.rpc_config(stage0(s)[1].peer_id).identity.public_key)
+        target=lambda s: stage0(s)[0].addr, victim=lambda s: stage0(s)[1].identity.public_key)
     target, victim = stage0(swarm)
-    victim_id = swarm.rpc_config(victim.peer_id).identity.peer_id
+    victim_id = victim.peer_id
     assert swarm.hostile[0].transport_id == victim_id  # it does claim the victim's id
     await train_and_check(swarm, kit, data, pool)
     named = await wait_for_log(caplog, lambda m: victim_id.hex() in m and "does not verify" in m,
