@@ -1,5 +1,6 @@
 """Data: byte tokenizer, .bin token files, and the seeded order every trainer and the reference share."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +187,18 @@ def test_an_entry_limit_counts_every_pattern_of_a_spec(tmp_path):
         resolve_sources(spec, tmp_path, GlobLimits(max_entries=15))
     assert "'[0-4].txt' looks at more than 15" in str(err.value)
     assert len(resolve_sources(spec, tmp_path, GlobLimits(max_entries=20)).files) == 10
+
+
+def test_a_path_the_daemon_may_not_stat_is_no_match_not_a_crash():
+    """Steps: a data.files pattern naming /proc/1/cwd, which even root may not stat in a
+    container without ptrace rights (the path a fuzzed `/**/*` glob met first).
+    Expected: SpecError "matches no files" on data.files, not PermissionError."""
+    try:
+        os.stat("/proc/1/cwd")
+    except PermissionError:
+        pass
+    else:
+        pytest.skip("/proc/1/cwd can be stat'ed here: no unstatable path to try")
+    with pytest.raises(SpecError, match="matches no files") as err:
+        resolve_sources(DataSpec(seq_len=2, files=("/proc/1/cwd", "/proc/1/cwd/*")), "/")
+    assert err.value.field == "data.files"
