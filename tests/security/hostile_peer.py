@@ -1,7 +1,7 @@
-"""A misbehaving stage peer, run as its own process by the hostile-peer tests.
+"""A misbehaving peer, run as its own process by the hostile-peer tests.
 
-It serves a real StageService (real Router, RpcServer, sockets, sync with its stage-mates) and
-lies in exactly one way, chosen by `--mode`:
+As a stage peer it serves a real StageService (real Router, RpcServer, sockets, sync with its
+stage-mates) and lies in exactly one way, chosen by `--mode`:
 
 - `garbage`: its forward answers are random activations of the right shape and dtype (the checks
   a single reply can get all pass; only a second opinion catches it);
