@@ -42,7 +42,7 @@ async def test_an_rpc_flood_is_refused_and_named_while_training_goes_on(hostile_
     for e in events:
         assert e.stage_samples == (global_samples,) * 2 and e.duplicates == (0, 0), e
     assert [(r.step, r.members) for r in flooded.service.records] == [(s, 2) for s in range(STEPS)]
-    assert seen["rate_limited"] > 3 * seen["ok"] > 0, seen
+    assert seen["rate_limited"] > 2 * seen["ok"] > 0, seen
 
     calls = flooded.rpc.peer_calls()
     assert calls[flooder.transport_id].refused == seen["rate_limited"], calls[flooder.transport_id]
