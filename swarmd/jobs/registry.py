@@ -336,7 +336,6 @@ class JobRegistry:
                 self.end(job, "done", "its trainers finished every step")
             elif job.state == "waiting" and await self.swarm_step(job) >= job.spec.steps:
                 # "waiting": no trainer runs here (those that do say "done" themselves).
-                job.state = "done"
                 self.end(job, "done", f"every stage committed step {job.spec.steps}", job.spec.steps)
 
     async def swarm_step(self, job: Job) -> int:

@@ -109,7 +109,9 @@ def test_a_finished_job_is_left_everywhere_and_never_joined_again(three, swarm, 
         print(daemon.name, view["status"])
         assert view["state"] == "done" and view["status"].startswith(f"job finished at step {STEPS}")
         assert view["end"]["state"] == "done" and view["end"]["step"] == STEPS
-        assert all(not s["peers"] for s in view["stages"])
+        # No daemon's announcement is left (each daemon's view of the DHT, read with its short cache).
+        wait_for(lambda: all(not s["peers"] for s in job_view(swarmctl, daemon, job_id)["stages"]), 30,
+                 f"every announcement gone in {daemon.name}'s view")
         # The final checkpoint holds the last committed step.
         snapshot = newest_checkpoint(checkpoint_dir(daemon.socket.parent / "state", bytes.fromhex(job_id), stage), stage)
         assert snapshot is not None and snapshot.step == STEPS
@@ -178,3 +180,24 @@ def test_a_forged_end_is_refused_and_a_cancelled_job_is_left_with_its_remote_tra
              "b's trainer to stop")
     refused = swarmctl("--socket", str(c.socket), "train", job_id, "--data", str(data))
     assert refused.returncode == 1 and "cancelled at step" in refused.stderr
+
+
+def test_a_job_trained_elsewhere_is_ended_by_its_submitter_from_the_stages_announcements(three, swarm_root,
+                                                                                         swarmctl) -> None:
+    """No trainer on the submitter (`--trainers 0`), one on `c`: once every stage announces the last
+    step committed (at the stages' next DHT refresh, up to 30 s), the submitter ends the job."""
+    a, b, c = three
+    job_id = submit(swarmctl, swarm_root, a, "elsewhere", STEPS, trainers=0)
+    pin(swarmctl, three, job_id)
+    trained = swarmctl("--socket", str(c.socket), "train", job_id, "--data", str(swarm_root / "elsewhere.txt"))
+    assert trained.returncode == 0, trained.stderr
+    view = wait_for(lambda: (lambda v: v if v["end"] else None)(job_view(swarmctl, a, job_id)), 180,
+                    "the submitter to end the job")
+    print(view["status"])
+    assert view["state"] == "done" and view["end"]["step"] == STEPS
+    assert view["status"] == f"job finished at step {STEPS} (every stage committed step {STEPS})"
+    for daemon in three:
+        wait_for(lambda: has_left(swarmctl, daemon, job_id), 60, f"{daemon.name} to leave the job's stages")
+    events = [json.loads(line) for line in swarmctl("--socket", str(a.socket), "--json", "logs", job_id,
+                                                    "--follow").stdout.splitlines()]
+    assert events[-1]["kind"] == "done" and "finished at step" in events[-1]["message"]
