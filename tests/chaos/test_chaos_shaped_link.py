@@ -8,7 +8,6 @@ Needs root for the namespaces; skipped with the reason otherwise (CI runs as roo
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -16,26 +15,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
 import chaos_harness as ch  # noqa: E402
+from netns_link import MARKS, netns  # noqa: E402
 
 from swarmd.swarmproc import LocalSwarm, SwarmSettings  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _netns():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_netns", REPO / "bench" / "netns.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-netns = _netns()
-pytestmark = [
-    pytest.mark.netns,
-    pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())),
-]
+pytestmark = MARKS
 
 STEPS = 150
 SETTLE_STEPS = 10

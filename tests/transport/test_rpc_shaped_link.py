@@ -3,30 +3,15 @@ set-up the benchmark and the chaos tests build on. Needs root; skipped with the 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
+from netns_link import MARKS, REPO, netns  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _netns():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_netns", REPO / "bench" / "netns.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-netns = _netns()
-pytestmark = [
-    pytest.mark.netns,
-    pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())),
-]
+pytestmark = MARKS
 
 SERVER = r"""
 import asyncio, sys

@@ -5,6 +5,8 @@ closes the connection with a SealError, and a side that will not encrypt is refu
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,57 +19,13 @@ from transport.identity import Identity
 from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 from transport.seal import Opener, Sealer
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
+from tcp_relay import Relay  # noqa: E402
+
 torch.set_num_threads(1)
 
 MARKER = "plaintext-marker-9f3a7c"
 PATTERN = torch.arange(4096, dtype=torch.int32) * 7919  # distinctive bytes, sent with codec "none"
-
-
-class Relay:
-    """A TCP relay between a client and the server that records every byte in both directions and,
-    once `tamper_next_reply` is set, flips one bit of the next server-to-client chunk."""
-
-    def __init__(self, target) -> None:
-        self.target = target
-        self.wire = bytearray()
-        self.tamper_next_reply = False
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
-
-    async def __aenter__(self) -> "Relay":
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.address = self._server.sockets[0].getsockname()[:2]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._tasks.add(asyncio.current_task())
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._pump(reader, up_writer, reply=False))
-                group.create_task(self._pump(up_reader, writer, reply=True))
-        finally:
-            writer.close()
-            up_writer.close()
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: bool) -> None:
-        while data := await reader.read(65536):
-            data = bytearray(data)
-            if reply and self.tamper_next_reply:
-                self.tamper_next_reply = False
-                data[len(data) // 2] ^= 0x01
-            self.wire += data
-            writer.write(data)
-            await writer.drain()
-        writer.close()
 
 
 def _router() -> Router:

@@ -9,6 +9,8 @@ with encryption on (sealed records are counted as they leave), and a refused hel
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,52 +18,14 @@ import torch
 from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 from transport.traffic import Traffic
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
+from tcp_relay import Relay  # noqa: E402
+
 torch.set_num_threads(1)
 
 #: Heartbeats would add PING frames at any moment; these tests compare totals, so they are rare.
 QUIET = {"heartbeat_interval_s": 60.0, "heartbeat_timeout_s": 120.0}
 SETTLE_S = 20.0
-
-
-class CountingRelay:
-    """Forwards TCP both ways and counts the bytes it forwarded in each direction."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.to_server = 0
-        self.to_client = 0
-        self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task] = set()
-
-    async def __aenter__(self) -> "CountingRelay":
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.address = self._server.sockets[0].getsockname()[:2]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._pipes:
-            task.cancel()
-        await asyncio.gather(*self._pipes, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-        for task in (asyncio.create_task(self._pipe(reader, up_writer, "to_server")),
-                     asyncio.create_task(self._pipe(up_reader, writer, "to_client"))):
-            self._pipes.add(task)
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
-        try:
-            while data := await reader.read(65536):
-                setattr(self, direction, getattr(self, direction) + len(data))
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
 
 
 async def echo(req: Request) -> Message:
@@ -86,7 +50,7 @@ async def test_both_ends_count_exactly_the_bytes_that_crossed(encrypt: bool) -> 
     )
     pool = Pool(RpcConfig(traffic=client_traffic, encrypt=encrypt, **QUIET))
     try:
-        async with CountingRelay(("127.0.0.1", server.port)) as relay:
+        async with Relay(("127.0.0.1", server.port)) as relay:
             for i in range(5):
                 assert (await pool.call(relay.address, "echo", Message({"i": i}), timeout=10)).meta == {"i": i}
             big = torch.arange(256 * 1024, dtype=torch.float32)  # 1 MiB of payload, sent uncompressed

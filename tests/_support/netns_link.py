@@ -1,0 +1,33 @@
+"""bench/netns.py (two network namespaces joined by a tbf-shaped veth pair) for the tests that build
+on it, and the marks such a test module carries: selected by `-m netns`, skipped without root,
+saying why. bench/ is not a package and its transport.py would shadow ours on `sys.path`, so the
+module is loaded from its file, once, under the name bench/pipeline.py gives it too."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    name = "swarmd_bench_netns"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "netns.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+netns = _load()
+#: The `pytestmark` of a module whose tests need a shaped link.
+MARKS = [
+    pytest.mark.netns,
+    pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())),
+]
