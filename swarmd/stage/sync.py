@@ -6,8 +6,9 @@ of the step, the member with the smallest peer id leads: it asks every member to
 (`stage.sync.round`, carrying the sorted member list) and all of them, including mates that hold
 no gradient at all, run the butterfly all-reduce and take the same optimizer step. A mate that
 vanishes mid-round makes the round fail on every member (its parts never come; failing members
-tell the others with `stage.sync.abort`); each puts back what it took and the next poll starts
-again with whoever is left, reporting ids nobody live holds as `missing` so trainers re-send them.
+tell the others with `stage.sync.abort`, and stop sending at once); each puts back what it took,
+refuses the round's late parts from then on (allreduce.Mailbox), and the next poll starts again
+with whoever is left, reporting ids nobody live holds as `missing` so trainers re-send them.
 A peer that finds a mate ahead of it downloads that mate's state instead (it missed a commit).
 """
 
