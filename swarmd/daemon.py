@@ -220,6 +220,7 @@ class Daemon:
         self.metrics.dht_contacts.set_function(lambda: len(self.dht.contacts()))
         self.metrics.dht_stored_keys.set_function(lambda: len(self.dht.storage.keys()))
         self.metrics.dht_lookups = self.dht.lookup_stats
+        self.metrics.dht_refused_records = self.dht.refused_records
         # Jobs publish through the DHT, so their announcements are withdrawn before the node stops.
         self.job_registry = JobRegistry(self.dht, self.identity, accept_from=cfg.jobs.accept_jobs_from)
         closers.append(("job announcements", self.job_registry.withdraw))

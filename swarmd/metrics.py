@@ -1,8 +1,8 @@
 """Prometheus metrics of one daemon, on a registry of its own, served over a tiny asyncio HTTP endpoint.
 
 Names carry the `swarmd_` prefix and their unit; label values come only from closed sets (the
-methods a router registered, a fixed list of outcomes), so a peer cannot grow our series count by
-calling made-up method names. The endpoint runs on the daemon's event loop instead of
+methods a router registered, a fixed list of outcomes or refusal reasons), never a peer id, so a
+peer cannot grow our series count by calling made-up method names or minting identities. The endpoint runs on the daemon's event loop instead of
 prometheus_client's thread server, so it is started and stopped with everything else.
 """
 
@@ -17,7 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily
 
 from swarmd.config import Address
+from swarmd.dht.errors import REJECTION_REASONS
 from swarmd.dht.stats import LOOKUP_KINDS, LOOKUP_OUTCOMES, LookupStats
+from transport.errors import HANDSHAKE_FAILURE_REASONS
 from transport.message import Message, Request, Router
 from transport.traffic import Traffic
 
@@ -68,6 +70,8 @@ class Metrics:
         self.traffic = Traffic()
         #: Counted inside the DHT node; `None` until the node exists (its series then read 0).
         self.dht_lookups: LookupStats | None = None
+        #: The DHT node's refused-record counts by reason (its own dict, read live); `None` until then.
+        self.dht_refused_records: dict[str, int] | None = None
         r.register(_Counted(self))
         self.rebalance_moves = Counter(
             "swarmd_rebalance_moves_total", "Rebalancing moves of a served stage to another, by outcome.",
@@ -100,6 +104,21 @@ class _Counted:
                                   "(frame headers, hellos and sealed records included).", traffic.sent_bytes)
         yield CounterMetricFamily("swarmd_transport_received_bytes", "Bytes read from peer connections.",
                                   traffic.received_bytes)
+        # Security signals, never labelled by peer: a label per peer id would let a peer that mints
+        # identities grow our series without bound. Who it was is in the daemon's log.
+        yield CounterMetricFamily("swarmd_rpc_rate_limited", "Peer calls refused with rate_limited (over "
+                                  "network.rpc_rate_limit_per_s), all peers together.", traffic.rate_limited_calls)
+        hellos = CounterMetricFamily("swarmd_transport_handshake_failures", "Peer connections whose hello failed, "
+                                     "either direction, by reason.", labels=["reason"])
+        for reason in HANDSHAKE_FAILURE_REASONS:
+            hellos.add_metric([reason], traffic.hello_failures[reason])
+        yield hellos
+        refused_records = self._metrics.dht_refused_records or {}
+        refused = CounterMetricFamily("swarmd_dht_refused_records", "Records other peers stored here that this "
+                                      "node refused, by reason.", labels=["reason"])
+        for reason in REJECTION_REASONS:
+            refused.add_metric([reason], refused_records.get(reason, 0))
+        yield refused
         stats = self._metrics.dht_lookups or LookupStats()
         lookups = CounterMetricFamily("swarmd_dht_lookups", "Iterative DHT lookups this node ran, by kind "
                                       "(find_node, find_value) and outcome.", labels=["kind", "outcome"])

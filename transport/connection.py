@@ -250,7 +250,7 @@ class Connection(asyncio.Protocol):
             reason = self._gate.enter(source)
             if reason is not None:
                 log.info("dropping connection from %s at once: %s", self._address, reason)
-                self._shutdown(HandshakeError(f"too many unproven connections: {reason}"))
+                self._shutdown(HandshakeError(f"too many unproven connections: {reason}", "unproven_limit"))
                 transport.abort()
                 return
             self._gate_source = source
@@ -262,7 +262,7 @@ class Connection(asyncio.Protocol):
 
     def _hello_overdue(self) -> None:
         """The handshake deadline: logged with the address, since a slow-loris has no proven id."""
-        error = HandshakeError(f"no hello within {self._config.handshake_timeout_s} s")
+        error = HandshakeError(f"no hello within {self._config.handshake_timeout_s} s", "deadline")
         log.info("hello with %s failed: %s", self._address, error)
         self._refuse(error)
 
@@ -352,7 +352,7 @@ class Connection(asyncio.Protocol):
         elif "welcome" in header and self._initiator and self.remote is not None:
             self._become_ready()
         elif "refused" in header:
-            self.abort(HandshakeError(f"the peer refused the hello: {header['refused']}"))
+            self.abort(HandshakeError(f"the peer refused the hello: {header['refused']}", "refused_by_peer"))
         else:
             raise HandshakeError(f"unexpected hello message {sorted(header)}")
 
@@ -374,7 +374,8 @@ class Connection(asyncio.Protocol):
         except MalformedFrame as exc:
             raise HandshakeError(str(exc)) from None
         if theirs.max_chunk_bytes < MIN_PEER_CHUNK_BYTES:
-            raise HandshakeError(f"peer wants {theirs.max_chunk_bytes}-byte chunks, below {MIN_PEER_CHUNK_BYTES}")
+            raise HandshakeError(f"peer wants {theirs.max_chunk_bytes}-byte chunks, below {MIN_PEER_CHUNK_BYTES}",
+                                 "incompatible")
         self._send_limits = self._config.limits.meet(theirs)
         self._budget.capacity = self._send_limits.max_inflight_bytes
         self.remote = RemoteInfo(
@@ -392,7 +393,7 @@ class Connection(asyncio.Protocol):
             log.exception("admission hook failed for %s", self._address)
             reason = "the admission check failed"
         if reason is not None:
-            raise HandshakeError(f"admission refused: {reason}")
+            raise HandshakeError(f"admission refused: {reason}", "admission")
         self._send_control(encode_frame(Kind.HELLO, {"welcome": True}))
         self._become_ready()
 
@@ -467,6 +468,8 @@ class Connection(asyncio.Protocol):
         if self._going_away:
             self._send_error(rid, CODE_GOING_AWAY, "the server is shutting down")
         elif self._limiter is not None and not self._limiter.allow(self._rate_key):
+            if self._config.traffic is not None:
+                self._config.traffic.rate_limited_calls += 1
             self._send_error(rid, CODE_RATE_LIMITED, f"over {self._config.rate_limit_per_s} calls/s")
         elif len(self._handlers) >= self._config.max_concurrent_handlers:
             self._send_error(rid, CODE_OVERLOADED, f"{len(self._handlers)} calls already running")
@@ -759,6 +762,8 @@ class Connection(asyncio.Protocol):
         if self._error is not None:
             return
         self._error = error
+        if isinstance(error, HandshakeError) and self._config.traffic is not None:
+            self._config.traffic.failed_hello(error.reason)
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         self._leave_gate()

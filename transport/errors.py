@@ -44,8 +44,29 @@ class CodecError(ProtocolError):
     """A tensor payload does not decode to what its metadata announces."""
 
 
+#: Why a hello failed, as counted for operators (a closed set: a metric label must not grow with
+#: what peers send). "malformed" is the catch-all: bad msgpack, wrong order, missing fields.
+HANDSHAKE_FAILURE_REASONS = (
+    "deadline",  # no hello within handshake_timeout_s (a slow-loris, or a peer that is not swarmd)
+    "unproven_limit",  # dropped on accept: too many connections still in their hello
+    "spoofed_id",  # a public key announced without a signature made with it
+    "swarm_key",  # one side is in a private swarm and the other does not know its key
+    "incompatible",  # wire version, encryption setting or chunk size the two sides cannot agree on
+    "admission",  # the server's admission check refused the proven peer
+    "refused_by_peer",  # the other side refused our hello (its reason is in our log)
+    "malformed",
+)
+
+
 class HandshakeError(ProtocolError):
-    """The hello exchange failed: bad signature, wrong swarm key, timeout or wrong order."""
+    """The hello exchange failed: bad signature, wrong swarm key, timeout or wrong order;
+    `reason` is one of HANDSHAKE_FAILURE_REASONS."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        if reason not in HANDSHAKE_FAILURE_REASONS:
+            raise ValueError(f"unknown handshake failure reason {reason!r}")
+        super().__init__(message)
+        self.reason = reason
 
 
 class SealError(ProtocolError):

@@ -187,14 +187,16 @@ class Handshake:
             raise HandshakeError("peer sent a second hello")
         theirs = Hello.decode(raw)
         if theirs.version != self._ours.version:
-            raise HandshakeError(f"peer speaks wire version {theirs.version}, we speak {self._ours.version}")
+            raise HandshakeError(f"peer speaks wire version {theirs.version}, we speak {self._ours.version}",
+                                 "incompatible")
         if theirs.uses_swarm_key != self._ours.uses_swarm_key:
-            raise HandshakeError("one side uses a swarm key and the other does not")
+            raise HandshakeError("one side uses a swarm key and the other does not", "swarm_key")
         if theirs.encrypt != self._ours.encrypt:
             raise HandshakeError(
                 f"we {'require' if self._ours.encrypt else 'refuse'} encryption and the peer "
                 f"{'does not' if self._ours.encrypt else 'requires it'}: both sides must set the same "
-                f"{self._encrypt_setting}"
+                f"{self._encrypt_setting}",
+                "incompatible",
             )
         if theirs.nonce == self._ours.nonce:
             raise HandshakeError("peer echoed our nonce")
@@ -220,16 +222,16 @@ class Handshake:
         peer_id = None
         if self._theirs.public_key is not None:
             if not isinstance(sig, bytes) or len(sig) != SIGNATURE_BYTES:
-                raise HandshakeError("peer announced a public key but sent no valid signature")
+                raise HandshakeError("peer announced a public key but sent no valid signature", "spoofed_id")
             if not verify(self._theirs.public_key, sig, their_role + self._transcript):
                 raise HandshakeError(f"peer claims id {peer_id_of(self._theirs.public_key).hex()} but its signature "
-                                     "does not verify: it does not hold that key")
+                                     "does not verify: it does not hold that key", "spoofed_id")
             peer_id = peer_id_of(self._theirs.public_key)
         elif sig is not None:
             raise HandshakeError("anonymous peer sent a signature")
         if self._swarm_key is not None:
             if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._mac(their_role)):
-                raise HandshakeError("peer does not know the swarm key")
+                raise HandshakeError("peer does not know the swarm key", "swarm_key")
         send_key, recv_key = self._keys if self._keys is not None else (None, None)
         return PeerHello(self._theirs, peer_id, send_key, recv_key)
 

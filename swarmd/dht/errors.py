@@ -22,10 +22,21 @@ class DHTProtocolError(DHTError):
     """A remote peer's RPC payload does not match the schema (wrong type, length or count)."""
 
 
+#: Every reason a record is refused for: a closed set, since each is a metric label value.
+REJECTION_REASONS = (
+    "bad_key", "bad_subkey", "value_too_large", "bad_expiration", "expired",  # schema and limits
+    "unsigned", "wrong_owner", "bad_signature",  # forgeries
+    "outdated", "quota", "storage_full", "key_full",  # storage policy
+)
+
+
 class RecordRejected(DHTError):
-    """A record is refused; `reason` is a short machine-readable tag (sent back in store replies)."""
+    """A record is refused; `reason` is a short machine-readable tag (sent back in store replies),
+    one of REJECTION_REASONS."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown record rejection reason {reason!r}")
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
 

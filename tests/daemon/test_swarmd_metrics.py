@@ -1,8 +1,10 @@
-"""The metrics endpoint serves Prometheus text; instrumented routers label only registered methods."""
+"""The metrics endpoint serves Prometheus text; instrumented routers label only registered methods;
+a real daemon's security signals (rate limiting, refused DHT records, failed hellos) move on attack."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.error
 import urllib.request
 
@@ -10,9 +12,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmd.config import Address
+from swarmd.dht import protocol as dht_protocol
+from swarmd.dht.errors import REJECTION_REASONS
+from swarmd.dht.records import Record, dht_key, sign_record, signing_payload
 from swarmd.metrics import Metrics, InstrumentedRouter, serve
-from transport.errors import RpcError
+from transport.errors import HANDSHAKE_FAILURE_REASONS, HandshakeError, RemoteError, RpcError
+from transport.identity import Identity, peer_id_of
 from transport.message import Message, RemoteInfo, Request
+from transport.rpc import Pool, RpcConfig
 
 
 def request(method: str) -> Request:
@@ -100,8 +107,6 @@ def sample(samples: dict, name: str, **labels: str) -> float:
 
 
 def wait_for(predicate, timeout: float, what: str):
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -151,3 +156,122 @@ def test_transport_bytes_and_dht_lookups_move_on_a_real_daemon(spawn, swarmctl) 
     b_samples = scrape(b)  # B's side of the same traffic: its bootstrap lookups went through A
     assert sample(b_samples, "swarmd_transport_received_bytes_total") > 0
     assert sample(b_samples, "swarmd_dht_lookups_total", kind="find_node", outcome="answered") >= 1
+
+
+#: The daemon's hello deadline (RpcConfig.handshake_timeout_s; the daemon keeps the default).
+HANDSHAKE_DEADLINE_S = 10.0
+
+
+def deltas(before: dict, after: dict, name: str, reasons: tuple[str, ...]) -> dict[str, float]:
+    """Per reason, how much `name{reason}` grew; every reason of the closed set must be a series."""
+    return {r: sample(after, name, reason=r) - sample(before, name, reason=r) for r in reasons}
+
+
+def test_security_signals_count_each_attack_on_a_real_daemon(spawn) -> None:
+    """1. Start A with 20 calls/s per peer (burst 20) and at most 2 connections in their hello per
+          source host. Every reason of both closed sets is a series from the first scrape on, and
+          no series carries a peer id.
+       2. Flood: a peer of its own identity pings A from 8 tasks for 2 s; swarmd_rpc_rate_limited_total
+          grows by exactly the number of `rate_limited` answers it got (A has no other peers).
+       3. Bad DHT store: another peer stores four records in one call, each refused for another
+          reason (wrong_owner, bad_signature, unsigned, expired); each of those reasons grows by
+          exactly one, no other.
+       4. Spoofed id: a peer claims another key's id; its call fails in the hello and A counts one
+          spoofed_id failure.
+       5. Slow-loris: three TCP connections that never send a hello: the third is dropped at once
+          (unproven_limit), the other two at the hello deadline (deadline); after that, the
+          handshake failures are exactly {spoofed_id: 1, unproven_limit: 1, deadline: 2}."""
+    a = spawn("a", "--metrics", "127.0.0.1:0", env={
+        **FAST, "SWARMD_NETWORK_RPC_RATE_LIMIT_PER_S": "20", "SWARMD_NETWORK_RPC_RATE_LIMIT_BURST": "20",
+        "SWARMD_NETWORK_MAX_UNPROVEN_PER_SOURCE": "2"})
+    host, port = a.address.rsplit(":", 1)
+    start = scrape(a)
+    hellos, records = "swarmd_transport_handshake_failures_total", "swarmd_dht_refused_records_total"
+    assert {dict(labels)["reason"] for name, labels in start if name == hellos} == set(HANDSHAKE_FAILURE_REASONS)
+    assert {dict(labels)["reason"] for name, labels in start if name == records} == set(REJECTION_REASONS)
+    assert not any("peer" in key for _, labels in start for key, _ in labels)
+
+    async def flood() -> int:
+        pool = Pool(RpcConfig(identity=Identity.generate()))
+        limited = 0
+        stop = asyncio.Event()
+
+        async def pinger() -> None:
+            nonlocal limited
+            while not stop.is_set():
+                try:
+                    await pool.call(a.address, dht_protocol.PING, Message({}), timeout=10)
+                except RemoteError as exc:
+                    assert exc.code == "rate_limited", exc
+                    limited += 1
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(8):
+                    tg.create_task(pinger())
+                await asyncio.sleep(2.0)
+                stop.set()
+        finally:
+            await pool.close()
+        return limited
+
+    limited = asyncio.run(flood())
+    flooded = scrape(a)
+    assert limited > 0
+    assert sample(flooded, "swarmd_rpc_rate_limited_total") - sample(start, "swarmd_rpc_rate_limited_total") == limited
+
+    async def bad_store() -> list[str]:
+        me, victim = Identity.generate(), Identity.generate()
+        key, value, later = dht_key("metrics-test", b"signals"), b"forged", time.time() + 600
+        payload = signing_payload(key, victim.peer_id, value, later)
+        forged = [
+            sign_record(me, key, victim.peer_id, value, later),  # our signature on another's subkey
+            Record(key, victim.peer_id, value, later, me.sign(payload), victim.public_key),  # their key, our signature
+            Record(key, me.peer_id, value, later),  # no signature at all
+            sign_record(me, key, me.peer_id, value, time.time() - 1),  # already expired
+        ]
+        pool = Pool(RpcConfig(identity=me))
+        try:
+            reply = await pool.call(a.address, dht_protocol.STORE,
+                                    Message(dht_protocol.store_request(key, forged)), timeout=10)
+        finally:
+            await pool.close()
+        return reply.meta["results"]
+
+    assert asyncio.run(bad_store()) == ["wrong_owner", "bad_signature", "unsigned", "expired"]
+    stored = scrape(a)
+    expected = {r: float(r in ("wrong_owner", "bad_signature", "unsigned", "expired")) for r in REJECTION_REASONS}
+    assert deltas(flooded, stored, records, REJECTION_REASONS) == expected
+
+    async def spoof() -> None:
+        mine, victim = Identity.generate(), Identity.generate()
+        pool = Pool(RpcConfig(identity=Identity(mine.private_key, victim.public_key, peer_id_of(victim.public_key))))
+        try:
+            with pytest.raises(HandshakeError):
+                await pool.call(a.address, dht_protocol.PING, Message({}), timeout=10)
+        finally:
+            await pool.close()
+
+    asyncio.run(spoof())
+    wait_for(lambda: deltas(start, scrape(a), hellos, ("spoofed_id",))["spoofed_id"], 30, "A to count the spoofed hello")
+
+    async def slowloris() -> None:
+        silent = []
+        try:
+            for _ in range(3):
+                silent.append(await asyncio.open_connection(host, int(port)))
+            # A closes each: the third at once, the others at its hello deadline (after its
+            # own hello and a "refused" frame, which we read past).
+            async with asyncio.timeout(HANDSHAKE_DEADLINE_S * 3):
+                for reader, _ in silent:
+                    while await reader.read(65536):
+                        pass
+        finally:
+            for _, writer in silent:
+                writer.close()
+
+    asyncio.run(slowloris())
+    expected = {r: 0.0 for r in HANDSHAKE_FAILURE_REASONS} | {"spoofed_id": 1.0, "unproven_limit": 1.0, "deadline": 2.0}
+    wait_for(lambda: deltas(start, scrape(a), hellos, ("deadline",))["deadline"] >= 2, 30,
+             "A to count the silent connections' deadlines")
+    assert deltas(start, scrape(a), hellos, HANDSHAKE_FAILURE_REASONS) == expected
