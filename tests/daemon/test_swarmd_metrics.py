@@ -19,7 +19,8 @@ from swarmd.metrics import Metrics, InstrumentedRouter, serve
 from transport.errors import HANDSHAKE_FAILURE_REASONS, HandshakeError, RemoteError, RpcError
 from transport.identity import Identity, peer_id_of
 from transport.message import Message, RemoteInfo, Request
-from transport.rpc import Pool, RpcConfig
+from transport.rpc import Pool, Router, RpcConfig, RpcServer
+from transport.traffic import Traffic
 
 
 def request(method: str) -> Request:
@@ -86,6 +87,47 @@ async def test_instrumented_router_counts_outcomes_by_registered_name() -> None:
     assert value("swarmd_rpc_requests_total", {"service": "control", "method": "bad", "outcome": "error"}) == 1
     assert value("swarmd_rpc_requests_total", {"service": "control", "method": "s", "outcome": "ok"}) == 1
     assert value("swarmd_rpc_duration_seconds_count", {"service": "control", "method": "ok"}) == 1
+
+
+@pytest.mark.parametrize("case", ["swarm key", "encryption", "admission"])
+async def test_failed_hellos_are_counted_by_reason_on_both_sides(case: str) -> None:
+    """1. A server whose Traffic is a Metrics object's, and a client with its own Traffic, over real
+          TCP, disagree: on the swarm key, on encryption, or the server's admission refuses the client.
+       2. The call fails in the hello; the server's swarmd_transport_handshake_failures_total grows
+          by one under the case's reason (swarm_key, incompatible, admission) and no other; the
+          client counts the same reason, or refused_by_peer where only the server could tell."""
+    server_side, client_side = {
+        "swarm key": ({"swarm_key": b"k" * 32}, {"swarm_key": b"j" * 32}),
+        "encryption": ({"encrypt": True}, {}),
+        "admission": ({}, {}),
+    }[case]
+    ours, theirs = {"swarm key": ("swarm_key", "swarm_key"), "encryption": ("incompatible", "incompatible"),
+                    "admission": ("admission", "refused_by_peer")}[case]
+    metrics, client_traffic = Metrics("1"), Traffic()
+    router = Router()
+
+    async def ping(req: Request) -> Message:
+        return Message({})
+
+    router.unary("ping", ping)
+    admit = (lambda remote: "not on the list") if case == "admission" else None
+    server = await RpcServer.serve_tcp(router, config=RpcConfig(identity=Identity.generate(), traffic=metrics.traffic,
+                                                                **server_side), admit=admit)
+    pool = Pool(RpcConfig(identity=Identity.generate(), traffic=client_traffic, **client_side))
+    try:
+        with pytest.raises(HandshakeError):
+            await pool.call(("127.0.0.1", server.port), "ping", Message({}), timeout=10)
+        value = metrics.registry.get_sample_value
+        async with asyncio.timeout(10):
+            while not value("swarmd_transport_handshake_failures_total", {"reason": ours}):
+                await asyncio.sleep(0.05)
+        counted = {r: value("swarmd_transport_handshake_failures_total", {"reason": r})
+                   for r in HANDSHAKE_FAILURE_REASONS}
+        assert counted == {r: float(r == ours) for r in HANDSHAKE_FAILURE_REASONS}
+        assert client_traffic.hello_failures == {r: int(r == theirs) for r in HANDSHAKE_FAILURE_REASONS}
+    finally:
+        await pool.close()
+        await server.close()
 
 
 # ------------------------------------------------------------------------------ real daemons
