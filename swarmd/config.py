@@ -420,6 +420,15 @@ class JobsSection:
         300.0, _float_kind(0.0),
         "how long a restarted daemon looks for a job it served before forgetting it (gone or cancelled)",
     )
+    data_max_files: int = setting(
+        4096, _int_kind(1),
+        "files one submission's data.files patterns may match; a larger corpus belongs in a data.tokens file",
+    )
+    data_max_entries: int = setting(
+        50_000, _int_kind(1),
+        "directory entries the daemon looks at expanding one submission's data.files patterns (a `/**` "
+        "walks the whole filesystem otherwise)",
+    )
     accept_jobs_from: frozenset[bytes] = setting(
         frozenset(), HEX_KEYS,
         "submitters (public keys or peer ids, hex) whose jobs this daemon learns, serves and trains; "

@@ -92,7 +92,7 @@ def register(router: Router, daemon: DaemonView) -> None:
         if isinstance(trainers, bool) or not isinstance(trainers, int) or not 0 <= trainers <= MAX_LOCAL_TRAINERS:
             raise RpcError("bad_request", f"trainers: an integer in 0..{MAX_LOCAL_TRAINERS}")
         with _job_errors():
-            job = daemon.jobs.submit(req.meta.get("spec"), data, base, req.peer.peercred)
+            job = await daemon.jobs.submit(req.meta.get("spec"), data, base, req.peer.peercred)
         if trainers:
             per_step = job.spec.batch.microbatches_per_step
             if trainers > per_step:
@@ -153,7 +153,7 @@ def register(router: Router, daemon: DaemonView) -> None:
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
             _refuse_ended(job)
-            daemon.jobs.attach_data(job, data, req.peer.peercred)
+            await daemon.jobs.attach_data(job, data, req.peer.peercred)
         per_step = job.spec.batch.microbatches_per_step
         for name, value in (("shards", shards), ("shard", shard)):
             if isinstance(value, bool) or not isinstance(value, int):

@@ -31,6 +31,7 @@ from swarmd.jobs.remembered import RememberedStages
 from swarmd.jobs.rebalancing import RebalanceSettings, Rebalancing
 from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
+from swarmd.job.data import GlobLimits
 from swarmd.stage.limits import StageLimits
 from swarmd.cli import package_version
 from swarmd.config import Address, Config
@@ -222,7 +223,9 @@ class Daemon:
         self.metrics.dht_lookups = self.dht.lookup_stats
         self.metrics.dht_refused_records = self.dht.refused_records
         # Jobs publish through the DHT, so their announcements are withdrawn before the node stops.
-        self.job_registry = JobRegistry(self.dht, self.identity, accept_from=cfg.jobs.accept_jobs_from)
+        self.job_registry = JobRegistry(
+            self.dht, self.identity, accept_from=cfg.jobs.accept_jobs_from,
+            glob_limits=GlobLimits(max_files=cfg.jobs.data_max_files, max_entries=cfg.jobs.data_max_entries))
         closers.append(("job announcements", self.job_registry.withdraw))
         directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s)
         self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,

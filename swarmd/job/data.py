@@ -126,7 +126,7 @@ class _GlobWalk:
                     self.entries += 1
                     if self.entries > self.limits.max_entries:
                         raise SpecError("data.files", f"{pattern!r} looks at more than {self.limits.max_entries} "
-                                                      "directory entries (GlobLimits.max_entries); name the files "
+                                                      "directory entries (jobs.data_max_entries); name the files "
                                                       "more precisely, or pre-tokenize them into data.tokens")
                     listing.append(entry)
                 return listing
@@ -164,7 +164,7 @@ def resolve_sources(data: "DataSpec", base_dir: str | Path, limits: GlobLimits =
             found.add(path)
             if len(found) > limits.max_files:
                 raise SpecError("data.files", f"{pattern!r} matches more than {limits.max_files} files "
-                                              "(GlobLimits.max_files); pre-tokenize them into data.tokens")
+                                              "(jobs.data_max_files); pre-tokenize them into data.tokens")
         if not matched:
             raise SpecError("data.files", f"{pattern!r} matches no files (from {base})")
     return Sources(files=tuple(sorted(found)))

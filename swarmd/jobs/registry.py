@@ -29,7 +29,7 @@ from swarmd.dht import dht_key
 from swarmd.jobs.access import AccessDenied, check_readable
 from swarmd.jobs.ending import JobEnd, end_key, submitters_end
 from swarmd.job import JobSpec, SpecError, resolve_sources
-from swarmd.job.data import Sources
+from swarmd.job.data import GlobLimits, Sources
 from transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,11 @@ class JobRegistry:
     this daemon are its own and always accepted (the control socket's admission guards them).
     """
 
-    def __init__(self, dht: Any, identity: Any, *, accept_from: frozenset[bytes] = frozenset()) -> None:
+    def __init__(self, dht: Any, identity: Any, *, accept_from: frozenset[bytes] = frozenset(),
+                 glob_limits: GlobLimits = GlobLimits()) -> None:
         self.dht, self.identity = dht, identity
         self.accept_from = accept_from
+        self.glob_limits = glob_limits
         self.jobs: dict[bytes, Job] = {}
         self.refused: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # job id -> submitter
         self._announcements: list[Any] = []
@@ -108,13 +110,17 @@ class JobRegistry:
 
     # ------------------------------------------------------------------ submit
 
-    def submit(self, raw_spec: Any, data: Sequence[str], base: str | None, peercred: tuple[int, int, int] | None) -> Job:
-        """Validate, check the submitter may read the data, then publish; raises `JobRequestError`."""
+    async def submit(self, raw_spec: Any, data: Sequence[str], base: str | None,
+                     peercred: tuple[int, int, int] | None) -> Job:
+        """Validate, check the submitter may read the data, then publish; raises `JobRequestError`.
+
+        The data check walks the submitter's globs and stats every file: filesystem work of a size
+        the submitter chooses (within `glob_limits`), so it runs in a worker thread, not on the loop."""
         try:
             spec = JobSpec.from_dict(raw_spec)
         except SpecError as exc:
             raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
-        sources = self._readable_sources(spec, data, base, peercred)
+        sources = await self._off_loop(self._readable_sources, spec, data, base, peercred)
         job_id = spec.job_id(self.identity.public_key)
         if job_id in self.jobs:
             return self.jobs[job_id]
@@ -127,9 +133,12 @@ class JobRegistry:
         job.event("info", f"submitted by uid {peercred[1]}: {spec.pipeline.stages} stages, {spec.steps} steps")
         return job
 
-    def attach_data(self, job: Job, data: Sequence[str], peercred: tuple[int, int, int] | None) -> None:
+    async def attach_data(self, job: Job, data: Sequence[str], peercred: tuple[int, int, int] | None) -> None:
         """Local data for one more trainer of `job` (job.train), checked like a submission's."""
-        job.sources = self._readable_sources(job.spec, data, None, peercred)
+        job.sources = await self._off_loop(self._readable_sources, job.spec, data, None, peercred)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
 
     def _readable_sources(self, spec: JobSpec, data: Sequence[str], base: str | None,
                           peercred: tuple[int, int, int] | None) -> Sources:
@@ -147,8 +156,7 @@ class JobRegistry:
             raise JobRequestError("bad_request", f"data: {exc}") from None
         return sources
 
-    @staticmethod
-    def _sources(spec: JobSpec, data: Sequence[str], base: str | None) -> Sources:
+    def _sources(self, spec: JobSpec, data: Sequence[str], base: str | None) -> Sources:
         """`data` paths (from `swarmctl submit --data`) replace the spec's own; otherwise the spec's
         relative paths start at `base`, the spec file's directory as swarmctl resolved it."""
         if len(data) > MAX_DATA_PATHS:
@@ -165,7 +173,7 @@ class JobRegistry:
             return Sources(files=tuple(sorted(set(paths))))
         if base is not None and not Path(base).is_absolute():
             raise SpecError("base", f"{base} is not an absolute directory")
-        return resolve_sources(spec.data, base or "/")
+        return resolve_sources(spec.data, base or "/", self.glob_limits)
 
     def _publish(self, job: Job) -> None:
         value = job.spec.to_msgpack()

@@ -455,6 +455,23 @@ class _InstantTraining:
         self.started.discard(job.job_id)
 
 
+def _step(awaitable) -> object:
+    try:
+        awaitable.send(None)
+    except StopIteration as done:
+        return done.value
+    awaitable.close()
+    raise InvariantBroken("a control handler suspended although the daemon answered at once")
+
+
+class _InlineRegistry(JobRegistry):
+    """The daemon's registry checks data in a worker thread; here the driver steps each handler
+    without an event loop, so the same check runs inline (it is the check that is fuzzed)."""
+
+    async def _off_loop(self, fn, *args):
+        return fn(*args)
+
+
 class _FakeDaemon:
     """Answers at once (no suspension), so a handler runs to completion in one coroutine step. The
     job methods run against a real JobRegistry (fresh for every input, holding one submitted job
@@ -464,9 +481,9 @@ class _FakeDaemon:
         self.reset()
 
     def reset(self) -> None:
-        self.jobs = JobRegistry(_InstantDHT(), Identity.from_seed(b"fuzz-control-job-registry-seed-!"))
+        self.jobs = _InlineRegistry(_InstantDHT(), Identity.from_seed(b"fuzz-control-job-registry-seed-!"))
         self.serving, self.training = _InstantServing(), _InstantTraining()
-        self.jobs.submit(_SUBMITTABLE, [], str(_JOB_DIR), (1, 0, 0))  # job "m", so job.* reach past find
+        _step(self.jobs.submit(_SUBMITTABLE, [], str(_JOB_DIR), (1, 0, 0)))  # job "m", so job.* reach past find
 
     def status(self) -> dict:
         return {"peer_id": b"p" * 32}
@@ -488,15 +505,6 @@ register_control(_CONTROL, _DAEMON)
 _CONTROL_METHODS = ("status", "peers", "dht.get", "drain", "job.submit", "job.list", "job.get", "job.cancel",
                     "job.logs", "job.serve", "job.train")
 _CALLER = RemoteInfo(peer_id=None, public_key=None, app={}, address="fuzz", peercred=(1, 0, 0))
-
-
-def _step(awaitable) -> object:
-    try:
-        awaitable.send(None)
-    except StopIteration as done:
-        return done.value
-    awaitable.close()
-    raise InvariantBroken("a control handler suspended although the daemon answered at once")
 
 
 def run_control(data: bytes) -> bool | None:
