@@ -325,6 +325,11 @@ class NetworkSection:
     max_unproven_connections: int = setting(
         256, _int_kind(1), "connections in their hello from all hosts together (~10 MiB and 256 fds at most)",
     )
+    handshake_timeout_s: float = setting(
+        10.0, _float_kind(0.1),
+        "seconds a connection may take to prove itself (hello, key proof) before it is dropped; covers a "
+        "100 ms-RTT link several times over while bounding how long a slow-loris holds a slot",
+    )
 
 
 @dataclass(frozen=True)

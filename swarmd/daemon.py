@@ -104,7 +104,8 @@ def peer_rpc_config(net: configuration.NetworkSection, identity: Identity, traff
         identity=identity, swarm_key=swarm_key, encrypt=net.encrypt, encrypt_setting="network.encrypt (--encrypt)",
         rate_limit_per_s=net.rpc_rate_limit_per_s or None, rate_limit_burst=net.rpc_rate_limit_burst,
         rate_limit_peers=net.rpc_rate_limit_peers, max_unproven_per_source=net.max_unproven_per_source,
-        max_unproven_connections=net.max_unproven_connections, traffic=traffic,
+        max_unproven_connections=net.max_unproven_connections, handshake_timeout_s=net.handshake_timeout_s,
+        traffic=traffic,
     )
 
 

@@ -200,8 +200,8 @@ def test_transport_bytes_and_dht_lookups_move_on_a_real_daemon(spawn, swarmctl) 
     assert sample(b_samples, "swarmd_dht_lookups_total", kind="find_node", outcome="answered") >= 1
 
 
-#: The daemon's hello deadline (RpcConfig.handshake_timeout_s; the daemon keeps the default).
-HANDSHAKE_DEADLINE_S = 10.0
+#: A's hello deadline (network.handshake_timeout_s), short so the slow-loris part ends soon.
+HANDSHAKE_DEADLINE_S = 4.0
 
 
 def deltas(before: dict, after: dict, name: str, reasons: tuple[str, ...]) -> dict[str, float]:
@@ -225,7 +225,7 @@ def test_security_signals_count_each_attack_on_a_real_daemon(spawn) -> None:
           handshake failures are exactly {spoofed_id: 1, unproven_limit: 1, deadline: 2}."""
     a = spawn("a", "--metrics", "127.0.0.1:0", env={
         **FAST, "SWARMD_NETWORK_RPC_RATE_LIMIT_PER_S": "20", "SWARMD_NETWORK_RPC_RATE_LIMIT_BURST": "20",
-        "SWARMD_NETWORK_MAX_UNPROVEN_PER_SOURCE": "2"})
+        "SWARMD_NETWORK_MAX_UNPROVEN_PER_SOURCE": "2", "SWARMD_NETWORK_HANDSHAKE_TIMEOUT_S": str(HANDSHAKE_DEADLINE_S)})
     host, port = a.address.rsplit(":", 1)
     start = scrape(a)
     hellos, records = "swarmd_transport_handshake_failures_total", "swarmd_dht_refused_records_total"
