@@ -26,6 +26,12 @@ measured three ways, and ONE JSON object is printed:
   trainer's sockets, the hello excluded): every byte the trainer's links carry, frames, headers and
   `stage.info` polls included, not TCP/IP headers. Stage-mates' all-reduce traffic (its own codec,
   `allreduce_codec`) is not in it: one peer per stage has no mates.
+- the swarm's own wire bytes, for its codec (`--codec`): what the daemons counted themselves
+  (`swarmd_transport_{sent,received}_bytes_total`, read from each daemon's metrics endpoint at the
+  start and end of each no-fault window), per sample committed in those windows: the trainer's
+  daemon's sent + received (its links to the stages: the like of the in-process figure, beside which
+  it is reported as a cross-check) and every daemon's sent bytes (each byte on any link once: the
+  stage-mates' all-reduce and the DHT included).
 
 Samples/s are windowed: steps committed between the window's start and end, times the global
 batch, over the window's length (so a stall at the end of the window counts against it).
@@ -227,6 +233,9 @@ class SwarmRun:
     events: list[dict[str, Any]] = field(default_factory=list)
     kills: list[Kill] = field(default_factory=list)
     windows: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: Per no-fault window, every daemon's (sent, received) transport bytes at its start and end.
+    traffic: dict[str, tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]]]] = field(
+        default_factory=dict)
     skipped_ticks: int = 0  # kill ticks at which no stage had all its peers up
     startup_s: float = 0.0
     job_state: str | None = None
@@ -241,6 +250,21 @@ class SwarmRun:
         steps = sum(self.committed_by(end) - self.committed_by(start) for start, end in spans)
         seconds = sum(end - start for start, end in spans)
         return {"samples_per_s": steps * global_samples / seconds, "steps": steps, "window_s": round(seconds, 2)}
+
+    def wire(self, names: tuple[str, ...], trainer: str, global_samples: int) -> dict[str, Any]:
+        """Bytes the daemons counted over the named windows, per sample committed in them."""
+        trainer_bytes = swarm_sent = steps = 0.0
+        for name in names:
+            (start, end), (t0, t1) = self.traffic[name], self.windows[name]
+            if any(end[p][i] < start[p][i] for p in start for i in (0, 1)):
+                raise RuntimeError(f"a daemon's transport counters went back in window {name}: it restarted")
+            trainer_bytes += sum(end[trainer]) - sum(start[trainer])
+            swarm_sent += sum(end[p][0] - start[p][0] for p in start)
+            steps += self.committed_by(t1) - self.committed_by(t0)
+        samples = steps * global_samples
+        return {"samples": int(samples), "trainer_bytes": int(trainer_bytes), "swarm_sent_bytes": int(swarm_sent),
+                "trainer_bytes_per_sample": trainer_bytes / samples if samples else None,
+                "swarm_bytes_per_sample": swarm_sent / samples if samples else None}
 
 
 async def serve_stage(peer: PeerProcess, job: str, stage: int) -> None:
@@ -314,10 +338,19 @@ async def preempt(swarm: LocalSwarm, peers: list[ServedPeer], job: str, args: ar
         run.windows["faults"] = (start, time.time())
 
 
-async def no_fault_window(run: SwarmRun, name: str, seconds: float) -> None:
+async def transport_bytes(daemons: list[PeerProcess]) -> dict[str, tuple[float, float]]:
+    """Each daemon's own count of the bytes it sent and received on peer connections."""
+    counted = await asyncio.gather(*(asyncio.to_thread(d.counters) for d in daemons))
+    return {d.name: (c["swarmd_transport_sent_bytes_total"], c["swarmd_transport_received_bytes_total"])
+            for d, c in zip(daemons, counted)}
+
+
+async def no_fault_window(run: SwarmRun, name: str, seconds: float, daemons: list[PeerProcess]) -> None:
+    before = await transport_bytes(daemons)
     start = time.time()
     await asyncio.sleep(seconds)
     run.windows[name] = (start, time.time())
+    run.traffic[name] = (before, await transport_bytes(daemons))
 
 
 async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProcess], raw: dict[str, Any],
@@ -325,17 +358,18 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
     async with Client(trainer.socket) as client:
         job = (await client.submit(raw, [], trainers=args.trainers))["job"]
     peers = [ServedPeer(peer, i % args.stages) for i, peer in enumerate(servers)]
+    daemons = [trainer, *servers]
     await asyncio.gather(*(serve_stage(p.peer, job, p.stage) for p in peers))
     async with asyncio.TaskGroup() as tg:
         follower = tg.create_task(follow(trainer, job, run), name="follow job.logs")
         try:
             await wait_steps(run, args.warmup_steps, args.timeout)
             if args.fault_duration > 0:  # bracketed: load that drifts during the run hits both sides
-                await no_fault_window(run, "no_faults_before", args.duration / 2)
+                await no_fault_window(run, "no_faults_before", args.duration / 2, daemons)
                 await preempt(swarm, peers, job, args, run, random.Random(args.seed))
-                await no_fault_window(run, "no_faults_after", args.duration / 2)
+                await no_fault_window(run, "no_faults_after", args.duration / 2, daemons)
             else:
-                await no_fault_window(run, "no_faults", args.duration)
+                await no_fault_window(run, "no_faults", args.duration, daemons)
             await asyncio.sleep(1.0)  # the last step events of the window reach us
         finally:
             follower.cancel()
@@ -344,9 +378,10 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
         await client.cancel(job)
 
 
-def run_swarm(raw: dict[str, Any], args: argparse.Namespace, root: Path) -> SwarmRun:
+def run_swarm(raw: dict[str, Any], args: argparse.Namespace, root: Path) -> tuple[SwarmRun, str]:
+    """The run, and the name of the trainer's daemon (whose counters are the trainer's links)."""
     run = SwarmRun()
-    settings = SwarmSettings(log_level="warning", device=args.device, env={**FAST_ENV, **PINNED_ENV})
+    settings = SwarmSettings(log_level="warning", device=args.device, env={**FAST_ENV, **PINNED_ENV}, metrics=True)
     with LocalSwarm(root, settings) as swarm:
         started = time.monotonic()
         trainer, *servers = swarm.start(1 + args.stages * args.peers_per_stage)
@@ -355,7 +390,7 @@ def run_swarm(raw: dict[str, Any], args: argparse.Namespace, root: Path) -> Swar
             asyncio.run(drive(swarm, trainer, servers, raw, args, run))
         except ExceptionGroup as group:  # the first failure is the story; the rest were cancelled by it
             raise first_leaf(group) from None
-    return run
+    return run, trainer.name
 
 
 def first_leaf(group: BaseExceptionGroup) -> BaseException:
@@ -390,7 +425,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="swarmd-pipeline-") as tmp:
         try:
-            run = run_swarm(raw, args, Path(tmp))
+            run, trainer = run_swarm(raw, args, Path(tmp))
         except (SwarmError, ControlError, DaemonUnavailable, TimeoutError) as exc:
             report["error"] = f"swarm: {type(exc).__name__}: {exc}"
             report["local"] = local[0]
@@ -410,6 +445,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                        "windows": {n: run.window((n,), gs) for n in calm}}
     report["swarm_samples_per_s"] = round(no_faults["samples_per_s"], 3)
     report["swarm_to_local_ratio"] = round(no_faults["samples_per_s"] / local_rate, 4)
+    counted = run.wire(calm, trainer, gs)
+    per_sample = counted["trainer_bytes_per_sample"]
+    report["swarm"]["wire"] = {"codec": args.codec, **{k: round(v, 1) if isinstance(v, float) else v
+                                                       for k, v in counted.items()}}
+    report["swarm_wire_bytes_per_sample"] = per_sample and round(per_sample, 1)
+    if args.codec in wire and per_sample:  # the cross-check: daemons' counters against the kernel's
+        report["swarm_wire_to_in_process"] = round(per_sample / wire[args.codec]["bytes_per_sample"], 4)
     if "faults" in run.windows:
         faults = run.window(("faults",), gs)
         rejoins = [k.rejoin_s for k in run.kills if k.rejoin_s is not None]

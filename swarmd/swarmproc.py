@@ -15,7 +15,9 @@ need above all is that every process is gone when they exit, however they exit:
   Start peers from a thread that lives as long as the swarm (the main thread; the demo's event loop).
 
 Readiness is what `swarmctl status --json` reports, read through the same client call: the socket
-answers and the daemon has joined the swarm (or is its first node).
+answers and the daemon has joined the swarm (or is its first node). With `SwarmSettings.metrics` each
+daemon also serves its Prometheus endpoint on a port of its own, and `PeerProcess.counters()` reads
+it: a bench counts what the daemons themselves counted (their bytes on the wire, say).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -38,11 +41,15 @@ from typing import Callable, Iterable, Mapping
 from swarmd.client import Client, ControlError, DaemonUnavailable, SyncClient
 
 #: Liveness and discovery tuned for a swarm that lives minutes on one machine: deaths are noticed in
-#: seconds and a newcomer is found by everyone in about a second, instead of the WAN defaults.
+#: seconds and a newcomer is found by everyone in about a second, instead of the WAN defaults. No
+#: automatic joining (`jobs.serve = "none"`): the demo, the benches and the chaos tests place every
+#: peer on its stage themselves, and a daemon joining jobs on its own would serve more than asked;
+#: a caller that wants automatic joining sets SWARMD_JOBS_SERVE back in its own env.
 FAST_ENV: Mapping[str, str] = {
     "SWARMD_PEERS_PING_INTERVAL_S": "0.5", "SWARMD_PEERS_LIVENESS_WINDOW_S": "3",
     "SWARMD_PEERS_PING_TIMEOUT_S": "1", "SWARMD_PEERS_DISCOVERY_INTERVAL_S": "1",
     "SWARMD_NETWORK_BOOTSTRAP_RETRY_INITIAL_S": "0.3", "SWARMD_NETWORK_BOOTSTRAP_RETRY_MAX_S": "1",
+    "SWARMD_JOBS_SERVE": "none",
 }
 
 # Runs in the child before the daemon: ask for SIGKILL when the starting thread dies, then check
@@ -73,6 +80,8 @@ class SwarmSettings:
     env: Mapping[str, str] = field(default_factory=lambda: dict(FAST_ENV))
     # Appended to every daemon's command line (e.g. ("--drain-timeout", "5")).
     flags: tuple[str, ...] = ()
+    # Serve each daemon's metrics (`--metrics`) on a port of its own, kept across restarts.
+    metrics: bool = False
 
 
 @dataclass
@@ -90,6 +99,7 @@ class PeerProcess:
     # a chaos test puts peers on both ends of a shaped link.
     host: str = "127.0.0.1"
     netns: str | None = None
+    metrics_port: int | None = None
 
     @property
     def socket(self) -> Path:
@@ -121,6 +131,16 @@ class PeerProcess:
 
     def client(self, timeout: float = 20.0) -> SyncClient:
         return SyncClient(self.socket, timeout=timeout)
+
+    def counters(self, timeout: float = 10.0) -> dict[str, float]:
+        """Its unlabelled metrics (`GET /metrics`), name to value: counters restart from zero when
+        the daemon does. Reachable from the caller's network namespace only."""
+        if self.metrics_port is None:
+            raise SwarmError(f"{self.name} serves no metrics (SwarmSettings.metrics is off)")
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=timeout) as reply:
+            text = reply.read().decode()
+        samples = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+        return {fields[0]: float(fields[1]) for fields in samples if len(fields) == 2}
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -207,7 +227,8 @@ class LocalSwarm:
             if self._closed:
                 raise SwarmError("this local swarm is closed")
             name = name or f"peer{len(self.peers)}"
-            peer = PeerProcess(name, self.root / name, port or free_port(), bootstrap, host=host, netns=netns)
+            peer = PeerProcess(name, self.root / name, port or free_port(), bootstrap, host=host, netns=netns,
+                               metrics_port=free_port() if self.settings.metrics else None)
             self.peers.append(peer)
             self._launch(peer)
         return peer
@@ -221,6 +242,8 @@ class LocalSwarm:
                "--device", s.device, "--log-level", s.log_level]
         for addr in peer.bootstrap:
             cmd += ["--bootstrap", addr]
+        if peer.metrics_port is not None:
+            cmd += ["--metrics", f"{peer.host}:{peer.metrics_port}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **s.env}
         env.pop("SWARMD_CONTROL_SOCKET", None)
         with open(peer.log_path, "ab") as log:

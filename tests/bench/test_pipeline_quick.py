@@ -1,7 +1,8 @@
 """bench/pipeline.py at its smallest size, run for real, and its helpers on known inputs.
 
 The quick run starts five real `swarmd` processes (2 stages x 2 peers + the trainer's daemon),
-kills stage peers with SIGKILL and restarts them, and measures wire bytes over real loopback TCP.
+kills stage peers with SIGKILL and restarts them, and measures wire bytes over real loopback TCP,
+in-process by codec and from the daemons' own transport counters for the swarm's codec.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def test_quick_run_reports_sane_figures(tmp_path):
           fault window with a SIGKILL + restart every 4 s, wire bytes for every codec.
        Expected: exit 0 and one JSON object with positive rates, ratios above 0, at least one
        preemption, wire bytes ordered int8 < fp16 < none (fp16+lz4 and lz4 no larger than what they
-       compress), the config it ran; and no swarmd process of the run is left afterwards."""
+       compress), the swarm's own bytes per sample (from its daemons' counters) positive, the swarm-wide
+       count at least the trainer daemon's, both within a small factor of the in-process figure for
+       the same codec, the config it ran; and no swarmd process of the run is left afterwards."""
     started = time.monotonic()
     run = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True,
                          timeout=QUICK_TIMEOUT_S, env={**os.environ, "TMPDIR": str(tmp_path)})
@@ -91,6 +94,17 @@ def test_quick_run_reports_sane_figures(tmp_path):
     # gradient, fp32 (B=1 row of T x C), on top of token ids.
     assert wire["none"] > 2 * 16 * 32 * 4
 
+    counted = report["swarm"]["wire"]
+    print(f"daemons' counters, {counted['codec']}: {counted}; to in-process x{report['swarm_wire_to_in_process']}")
+    assert counted["codec"] == report["config"]["codec"] and counted["samples"] > 0
+    assert report["swarm_wire_bytes_per_sample"] == counted["trainer_bytes_per_sample"] > 0
+    # Every byte the trainer's daemon received was sent by some daemon of the run (the snapshots of
+    # the daemons are a few ms apart, hence the slack).
+    assert counted["swarm_sent_bytes"] >= 0.95 * counted["trainer_bytes"]
+    # The same links counted by the transport and by the kernel: the daemon's figure adds DHT and
+    # liveness traffic and hellos, and its steps overlap the window edges, so not equal, but close.
+    assert 0.5 < report["swarm_wire_to_in_process"] < 4
+
     config = report["config"]
     assert config["quick"] and {k: config[k] for k in pb.QUICK} == pb.QUICK
     assert live_processes_mentioning(str(tmp_path)) == []
@@ -114,6 +128,22 @@ def test_windowed_rate_counts_steps_committed_inside_the_window():
     both = run.window(("w", "v"), 8)
     assert both["steps"] == 14 and both["samples_per_s"] == pytest.approx(14 * 8 / 14.0)
     assert run.committed_by(0.0) == 0
+
+
+def test_wire_bytes_come_from_the_daemons_counters_over_the_windows():
+    """Counter snapshots at known values: the trainer's daemon's sent + received and every daemon's
+    sent bytes, over the windows' steps times the batch; a counter that went back is refused."""
+    run = pb.SwarmRun(events=[{"kind": "step", "ts": 10.0 + i, "step": i + 1} for i in range(20)])
+    run.windows = {"a": (12.5, 17.5), "b": (20.5, 29.5)}  # 5 steps, then 9
+    run.traffic = {"a": ({"t": (100, 50), "s": (10, 20)}, {"t": (600, 850), "s": (710, 520)}),
+                   "b": ({"t": (600, 850), "s": (710, 520)}, {"t": (900, 1050), "s": (1010, 720)})}
+    got = run.wire(("a", "b"), "t", 2)
+    assert got["samples"] == 28 and got["trainer_bytes"] == (1450 - 150) + (1950 - 1450)
+    assert got["trainer_bytes_per_sample"] == pytest.approx(got["trainer_bytes"] / 28)
+    assert got["swarm_sent_bytes"] == (500 + 700) + (300 + 300)
+    run.traffic["b"] = ({"t": (600, 850), "s": (710, 520)}, {"t": (900, 1050), "s": (5, 720)})
+    with pytest.raises(RuntimeError, match="went back in window b"):
+        run.wire(("a", "b"), "t", 2)
 
 
 def test_socket_bytes_counts_what_the_kernel_carried():
