@@ -61,6 +61,7 @@ class RoundBox:
     gathered: dict[int, int] = field(init=False)  # shard owner -> elements received
     outliers: set[int] = field(default_factory=set)  # members some shard's reducer reported
     failure: str | None = None
+    joined: bool = False  # this peer runs the round itself (not only holds parts mates sent early)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
@@ -117,9 +118,12 @@ class RoundBox:
 class Mailbox:
     """Round boxes by round id; a part may arrive before its receiver has started the round."""
 
-    def __init__(self, max_open: int, expire_s: float, closed_kept: int) -> None:
+    def __init__(self, max_open: int, expire_s: float, join_s: float, closed_kept: int) -> None:
         self._max_open = max_open
         self._expire_s = expire_s  # a round nobody finished by then is over on every member
+        # A round this peer has not joined this long after its first part never will be: the
+        # leader's call asking it to join has timed out by then (it is given join_s) and aborted.
+        self._join_s = join_s
         self._boxes: dict[bytes, RoundBox] = {}
         self._closed: OrderedDict[bytes, None] = OrderedDict()  # newest last, at most closed_kept
         self._closed_kept = closed_kept
@@ -128,22 +132,26 @@ class Mailbox:
     def open_rounds(self) -> int:
         return len(self._boxes)
 
-    def box(self, round_id: bytes, step: int, members: list[bytes], me: bytes, numel: int) -> RoundBox:
+    def box(self, round_id: bytes, step: int, members: list[bytes], me: bytes, numel: int,
+            join: bool = False) -> RoundBox:
+        """The round's box, opened if need be; `join` when this peer's own round asks for it."""
         if round_id in self._closed:
             raise busy(f"all-reduce round {round_id.hex()[:8]} is already closed on this peer")
         box = self._boxes.get(round_id)
         if box is not None:
             if box.members != members or box.step != step:
                 raise bad_input("round members or step differ from the round's first part")
+            box.joined |= join
             return box
         if me not in members or len(set(members)) != len(members) or members != sorted(members):
             raise bad_input("round members must be distinct, sorted, and include this peer")
         now = asyncio.get_running_loop().time()
-        for stale in [r for r, b in self._boxes.items() if b.step < step or now - b.created > self._expire_s]:
-            self.drop(stale, "superseded by a later step or expired")
+        for stale in [r for r, b in self._boxes.items() if b.step < step or now - b.created > self._expire_s
+                      or (not b.joined and now - b.created > self._join_s)]:
+            self.drop(stale, "superseded by a later step, expired, or never joined here")
         if len(self._boxes) >= self._max_open:
             raise busy(f"{len(self._boxes)} all-reduce rounds already open (max_open_rounds)")
-        box = self._boxes[round_id] = RoundBox(round_id, step, members, members.index(me), numel)
+        box = self._boxes[round_id] = RoundBox(round_id, step, members, members.index(me), numel, joined=join)
         return box
 
     def get(self, round_id: bytes) -> RoundBox | None:

@@ -49,7 +49,7 @@ class StageSync:
     def __init__(self, service: "StageService") -> None:
         self.s = service
         self.mailbox = Mailbox(service.limits.max_open_rounds, service.limits.round_timeout_s,
-                               service.limits.closed_rounds_kept)
+                               service.limits.progress_timeout_s, service.limits.closed_rounds_kept)
         self.in_round = False
         self.missing: list[int] = []  # ids some live peer once held for this step, none holds now
         self.uncovered: list[int] = []  # ids of this step no live peer holds
@@ -183,6 +183,8 @@ class StageSync:
             raise busy("this peer is already in an all-reduce round")
         if step != self.s.committed:
             raise busy(f"round for step {step}, this peer is at step {self.s.committed}")
+        # Opened (or marked joined) now, so a closed round or a full mailbox refuses the join itself.
+        self.mailbox.box(round_id, step, [p for p, _ in members], self.s.peer_id, self.s.numel, join=True)
         self.in_round = True
         try:
             self.s.spawn(self._round(round_id, step, members), f"round {round_id.hex()[:8]}")
@@ -209,7 +211,7 @@ class StageSync:
         taken = await self.s.in_aux(self.s.accumulator.take, step)
         committed = False
         try:
-            box = self.mailbox.box(round_id, step, ids, self.s.peer_id, self.s.numel)
+            box = self.mailbox.box(round_id, step, ids, self.s.peer_id, self.s.numel, join=True)
             flat = await self.s.in_aux(self.s.flatten, taken.grads)
             mine = Contribution(frozenset(taken.ids), taken.samples)
             async with asyncio.timeout(self.s.limits.round_timeout_s):

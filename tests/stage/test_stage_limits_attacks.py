@@ -26,8 +26,9 @@ def part_meta(kit, round_id, members, src=1, offset=0, step=0):
 async def test_unknown_rounds_past_max_open_rounds_are_refused(kit, client):
     """A mate inventing round ids cannot make us allocate a round buffer per id."""
     spec = kit.make_spec(stages=3)
+    # progress_timeout_s long: boxes of rounds never joined here are dropped after it (to make room).
     peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(),
-                                StageLimits(max_open_rounds=2, sync_interval_s=60.0))
+                                StageLimits(max_open_rounds=2, sync_interval_s=60.0, progress_timeout_s=60.0))
     members = sorted([peer.service.peer_id, b"\xff" * 32])
     try:
         codes = []

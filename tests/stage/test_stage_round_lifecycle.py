@@ -43,7 +43,7 @@ async def test_late_parts_of_closed_rounds_cannot_fill_the_mailbox(kit, client):
     after it, until they expired."""
     spec = kit.make_spec(stages=3)
     peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(),
-                                StageLimits(max_open_rounds=2, sync_interval_s=60.0))
+                                StageLimits(max_open_rounds=2, sync_interval_s=60.0, progress_timeout_s=60.0))
     members = sorted([peer.service.peer_id, MATE])
     part = [torch.zeros(1)]
     try:
@@ -65,6 +65,29 @@ async def test_late_parts_of_closed_rounds_cannot_fill_the_mailbox(kit, client):
         await peer.close()
 
 
+async def test_boxes_of_rounds_never_joined_here_make_room(kit, client):
+    """Steps: a mate sends first parts of two rounds (max_open_rounds=2) and neither round is ever
+    joined here nor aborted (the leader's abort never arrived); a third round's part comes after
+    progress_timeout_s (0.2 s here; the test waits 0.5 s), the most a join can lag its round's first
+    part (the leader's join call times out by then).
+    Expected: the third round is accepted and the two orphans are gone."""
+    spec = kit.make_spec(stages=3)
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(),
+                                StageLimits(max_open_rounds=2, sync_interval_s=60.0, progress_timeout_s=0.2))
+    members = sorted([peer.service.peer_id, MATE])
+    part = [torch.zeros(1)]
+    try:
+        for _ in range(2):
+            assert await code_of(client, peer.addr, "stage.sync.reduce",
+                                 part_meta(kit, os.urandom(16), members), part) == "ok"
+        await asyncio.sleep(0.5)
+        assert await code_of(client, peer.addr, "stage.sync.reduce",
+                             part_meta(kit, os.urandom(16), members), part) == "ok"
+        assert peer.service.sync.mailbox.open_rounds == 1
+    finally:
+        await peer.close()
+
+
 async def test_a_committed_step_frees_the_boxes_of_its_rounds(kit, client):
     """Steps: a mate opens two boxes for step 0 on a lone peer (first parts of two rounds that never
     finish; max_open_rounds=3 leaves room for the peer's own), then the peer commits step 0 with the
@@ -72,8 +95,9 @@ async def test_a_committed_step_frees_the_boxes_of_its_rounds(kit, client):
     Expected: once step 0 is committed no box of it is left open (each holds a gradient-sized buffer)."""
     spec = kit.make_spec(stages=3)
     directory = StaticDirectory()
+    # progress_timeout_s long, so only the commit can free the mate's boxes (not the never-joined rule).
     peer = await kit.start_peer(spec, STAGE, 1, directory, StageLimits(
-        max_open_rounds=3, sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=60.0))
+        max_open_rounds=3, sync_interval_s=0.02, progress_timeout_s=60.0, round_timeout_s=60.0))
     members = sorted([peer.service.peer_id, MATE])
     try:
         for _ in range(2):
