@@ -109,7 +109,13 @@ def register(router: Router, daemon: DaemonView) -> None:
     async def job_get(req: Request) -> Message:
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
-            return Message(await daemon.jobs.describe(job))
+            reply = await daemon.jobs.describe(job)
+        # What this daemon saw itself: its trainers' bans and its stages' all-reduce outliers.
+        reply["banned"] = [{"stage": b.stage, "peer": b.peer_id, "addr": b.addr, "reason": b.reason, "at": b.at}
+                           for b in daemon.training.bans(job.job_id)]
+        reply["outliers"] = [{"stage": stage, "step": step, "peers": list(peers)}
+                             for stage, step, peers in daemon.serving.outliers(job.job_id)]
+        return Message(reply)
 
     async def job_cancel(req: Request) -> Message:
         uid = req.peer.peercred[1] if req.peer.peercred else None

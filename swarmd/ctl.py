@@ -177,6 +177,12 @@ def _job_text(job: dict[str, Any]) -> str:
         peers = ", ".join(f"{p['address']} (step {p['step']}, {p['samples_per_s']:.1f}/s, queue {p['queue']})"
                           for p in stage["peers"]) or "no peers"
         lines.append(f"stage {stage['stage']:<4} {peers}")
+    # Older daemons' replies carry neither list.
+    for ban in job.get("banned", ()):
+        lines.append(f"banned     stage {ban['stage']} peer {ban['peer'][:16]} ({ban['addr']}): {ban['reason']}")
+    for found in job.get("outliers", ()):
+        peers = ", ".join(p[:16] for p in found["peers"])
+        lines.append(f"outliers   stage {found['stage']} step {found['step']}: {peers}")
     return "\n".join(lines)
 
 

@@ -173,6 +173,15 @@ class Serving:
                 await item.service.stop()
             return True
 
+    def outliers(self, job_id: bytes) -> list[tuple[int, int, tuple[str, ...]]]:
+        """(stage, step, hex peer ids) of the recent steps in which a stage served here found
+        outliers in its all-reduce, oldest first. Only what this daemon's own stages saw, from
+        their step records (so at most `StageLimits.records_kept` steps per stage, and nothing once
+        the stage is left)."""
+        found = [(stage, r.step, r.outliers) for (job, stage), item in self.served.items() if job == job_id
+                 for r in item.service.records if r.outliers]
+        return sorted(found, key=lambda f: (f[1], f[0]))
+
     def stages(self) -> list[str]:
         return [f"{job_id.hex()[:16]}/{stage}" for job_id, stage in sorted(self.served)]
 

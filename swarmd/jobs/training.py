@@ -4,6 +4,10 @@ A job submitted with `trainers = K` runs shards 0..K-1 here; `job.train {job, da
 runs one more shard in another daemon (shard k of K: the shards split each step's microbatches, so
 together they cover the global batch exactly once).
 
+The bans this daemon's trainers of a job made are kept for `job.get` (`bans`): a live trainer's from
+the trainer itself, a finished one's copied onto the job (bounded by `TrainerConfig.ban_log_kept`)
+so its data can go. Only this daemon's trainers: bans are what one trainer saw, not swarm-wide.
+
 A trainer stops when its job ends swarm-wide (the submitter's signed end record, learned by the
 joining loop): a cancelled job's trainers on other daemons would otherwise retry forever against
 stages that have left.
@@ -20,7 +24,7 @@ from typing import Any
 from swarmd.job import TokenDataset, TrainingData, read_tokens
 from swarmd.jobs.registry import FINAL_STATES, Job
 from swarmd.train.events import StatusEvent, StepEvent
-from swarmd.train.trainer import Trainer, TrainerConfig
+from swarmd.train.trainer import BanRecord, Trainer, TrainerConfig
 from transport.tasks import TaskSet
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,8 @@ class Training:
         self._running: dict[bytes, int] = {}
         self._trainers: dict[bytes, list[asyncio.Task]] = {}
         self._commits: dict[bytes, collections.deque[tuple[int, float]]] = {}  # job -> (step, commit time)
+        self._live: dict[bytes, list[Trainer]] = {}  # job -> its trainers still running here
+        self._past_bans: dict[bytes, collections.deque[BanRecord]] = {}  # job -> bans of its finished trainers
 
     async def start(self, job: Job, shards: range, of: int) -> None:
         """Open the job's data (off the loop) and run the given shards in supervised tasks."""
@@ -47,6 +53,7 @@ class Training:
             trainer = Trainer(spec, job.job_id, self.directory, self.pool, data, shard=shard, shards=of,
                               config=self.config, on_event=lambda e, s=shard: self._on_event(job, s, e))
             self._running[job.job_id] = self._running.get(job.job_id, 0) + 1
+            self._live.setdefault(job.job_id, []).append(trainer)
             task = self._tasks.spawn(self._run(job, trainer), f"trainer {job.spec.name}#{shard}")
             self._trainers.setdefault(job.job_id, []).append(task)
         if job.state == "waiting":
@@ -64,6 +71,7 @@ class Training:
             return
         finally:
             self._running[job.job_id] -= 1
+            self._retire(job.job_id, trainer)
         if self._running[job.job_id] == 0 and job.state not in FINAL_STATES:
             job.state = "done"
             job.event("done", f"trained {job.spec.steps} steps")
@@ -111,6 +119,19 @@ class Training:
             return job.spec.batch.global_samples / event.elapsed_s if event.elapsed_s > 0 else 0.0
         (first_step, first), (last_step, last) = commits[0], commits[-1]
         return job.spec.batch.global_samples * (last_step - first_step) / max(last - first, 1e-9)
+
+    def _retire(self, job_id: bytes, trainer: Trainer) -> None:
+        """Keep a finished trainer's bans, drop the trainer (and with it its data)."""
+        self._live[job_id].remove(trainer)
+        kept = self._past_bans.setdefault(job_id, collections.deque(maxlen=self.config.ban_log_kept))
+        kept.extend(trainer.banned_peers)
+
+    def bans(self, job_id: bytes) -> list[BanRecord]:
+        """The bans this daemon's trainers of the job made, across shards, newest last, at most
+        `TrainerConfig.ban_log_kept`."""
+        merged = [*self._past_bans.get(job_id, ()), *(b for t in self._live.get(job_id, ()) for b in t.banned_peers)]
+        merged.sort(key=lambda b: b.at)
+        return merged[-self.config.ban_log_kept:]
 
     @property
     def started(self) -> set[bytes]:

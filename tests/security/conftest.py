@@ -3,12 +3,16 @@ loopback, and one hostile peer (tests/security/hostile_peer.py) in a process of 
 peer that lies, or an attacker aimed at one honest peer's address.
 
 With `rpc` settings (e.g. a rate limit) every honest server, pool and the trainer's pool is built
-with them and with an identity of its own, as in the daemon, so the transport can tell peers apart."""
+with them and with an identity of its own, as in the daemon, so the transport can tell peers apart.
+
+For hostile peers against real daemons, the job tests' daemon fixtures are here too (`daemons`,
+`jobs_kit`, `swarmctl`), and `start_hostile` runs a hostile stage peer that joins through the DHT."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -28,6 +32,12 @@ from transport.identity import Identity
 from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
 
 torch.set_num_threads(1)
+
+_spec = importlib.util.spec_from_file_location("jobs_conftest", Path(__file__).parent.parent / "jobs" / "conftest.py")
+jobs_conftest = sys.modules.setdefault("jobs_conftest", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(jobs_conftest)
+swarm_root = jobs_conftest.swarm_root
+swarmctl = jobs_conftest.swarmctl
 
 HOSTILE = Path(__file__).with_name("hostile_peer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -229,3 +239,52 @@ async def stage_info(pool: Pool, addr: str, stage: int) -> dict:
 def kit():
     """Constants and helpers (importlib mode cannot import conftest from a test module)."""
     return SimpleNamespace(JOB_ID=JOB_ID, LIMITS=LIMITS, TRAINER=TRAINER, stage_info=stage_info)
+
+
+@pytest.fixture(scope="module")
+def daemons(swarm_root):
+    """The job tests' real `swarmd` processes (`daemons.start(name, *flags)`), killed at the end."""
+    started = jobs_conftest.Swarm(swarm_root)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="session")
+def jobs_kit():
+    """The job tests' helpers: writing a job and its corpus, waiting, a finished job."""
+    return SimpleNamespace(write_job=jobs_conftest.write_job, wait_for=jobs_conftest.wait_for,
+                           finished=jobs_conftest.finished)
+
+
+@pytest.fixture
+async def start_hostile():
+    """`await start_hostile(job_path, job_id, stage, mode, bootstrap)`: a hostile stage peer that
+    joins `stage` through the DHT node at `bootstrap` (its peer id: `transport_id`); finished at
+    the end of the test."""
+    started: list[HostileProcess] = []
+
+    async def start(job_path: Path, job_id: bytes, stage: int, mode: str, bootstrap: str) -> HostileProcess:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(HOSTILE), "--job", str(job_path), "--job-id", job_id.hex(), "--stage", str(stage),
+            "--mode", mode, "--bootstrap", bootstrap, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+        line = await asyncio.wait_for(process.stdout.readline(), 90)
+        if not line:
+            raise RuntimeError(f"the hostile peer ({mode}) exited with {await process.wait()}")
+        ready = json.loads(line)
+        peer_id = bytes.fromhex(ready["transport_id"])
+        hostile = HostileProcess(peer_id, stage, ready["addr"], ready["announcement"], process, peer_id)
+        started.append(hostile)
+        return hostile
+
+    try:
+        yield start
+    finally:
+        for hostile in started:
+            try:
+                await hostile.finish()
+            except (TimeoutError, ValueError):
+                hostile.process.kill()
+                await hostile.process.wait()

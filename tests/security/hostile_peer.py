@@ -22,6 +22,12 @@ Other modes do not serve a stage at all; they attack one address (`--target`) of
   open to the target, trickling one byte of a hello every `SLOWLORIS_TRICKLE_S`, and opens a new
   one whenever the target drops one.
 
+A stage peer finds its stage-mates from `--mates` on its command line, or, with `--bootstrap
+host:port`, the way a daemon does: it runs a DHT node of its own (its own identity, on the same
+server as its stage) bootstrapped from that address, reads its mates from the DHT's stage
+announcements, and announces itself there as `swarmd.jobs.serving` does, so real daemons'
+trainers route to it. Its peer id is then its identity's (`--peer-id` is ignored).
+
 It prints one JSON line (`addr`, `announcement`, `transport_id`: the peer id its connections prove)
 once serving or attacking, and stops when stdin closes; an attacker then prints a second line with
 what it saw (for `flood`: calls answered `ok`, refused `rate_limited`, failed `other`).
@@ -37,10 +43,12 @@ import time
 
 import torch
 
+from swarmd.dht import DHTNode
 from swarmd.dht import protocol as dht_protocol
 from swarmd.dht.records import Record, sign_record, signing_payload
+from swarmd.dht.rpc_network import RpcNetwork
 from swarmd.directory import StagePeer, StaticDirectory
-from swarmd.jobs.directory import announcement_value, stage_key
+from swarmd.jobs.directory import DHTStageDirectory, announcement_value, stage_key
 from swarmd.job import load_spec
 from swarmd.stage import StageLimits, StageServer, StageService
 from transport.errors import HandshakeError, RemoteError
@@ -59,6 +67,7 @@ SLOWLORIS_TRICKLE_S = 0.2
 SLOWLORIS_REDIAL_S = 0.02  # not a tight loop: the test machine's cores are shared with the swarm
 OUTLIER_SCALE = 1e3
 LIAR_DELAY_S = 0.05
+DIRECTORY_TTL_S = 0.5  # how long its DHT reads of its stage-mates are reused
 
 
 class HostileService(StageService):
@@ -233,28 +242,65 @@ async def attack(args: argparse.Namespace, job_id: bytes) -> None:
         await pool.close()
 
 
+async def serve_through_dht(args: argparse.Namespace, spec, job_id: bytes) -> None:
+    """Serve the stage as a daemon would: one server and pool with our identity for the DHT and the
+    stage, mates from the DHT, our announcement refreshed there until we stop."""
+    identity = Identity.generate()
+    config = RpcConfig(identity=identity)
+    router = Router()
+    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=config)
+    addr = f"{rpc.address[0]}:{rpc.address[1]}"
+    pool = Pool(config)
+    dht = DHTNode(identity, RpcNetwork(router, pool, addr))
+    await dht.start()
+    service = None
+    try:
+        if await dht.bootstrap([args.bootstrap]) == 0:
+            raise SystemExit(f"no DHT node answered at {args.bootstrap}")
+        HostileService.mode = args.mode
+        service = HostileService(spec, job_id, args.stage, identity.peer_id, StageServer(router), pool,
+                                 DHTStageDirectory(dht, DIRECTORY_TTL_S), address=addr,
+                                 limits=StageLimits(**json.loads(args.limits)))
+        await service.start()
+        announcement = dht.announce(stage_key(job_id, args.stage), lambda: announcement_value(addr, service.announcement()))
+        print(json.dumps({"addr": addr, "announcement": service.announcement(), "transport_id": identity.peer_id.hex()}),
+              flush=True)
+        await until_stdin_closes()
+        await dht.withdraw(announcement)
+    finally:
+        if service is not None:
+            await service.stop()
+        await dht.stop()
+        await rpc.close()
+        await pool.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", required=True)
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--peer-id", required=True)
+    parser.add_argument("--peer-id", default="", help="hex peer id of a stage peer without --bootstrap")
     parser.add_argument("--mode", choices=("garbage", "nan", "outlier", "liar", *ATTACKS), required=True)
     parser.add_argument("--target", default="", help="host:port an attacking mode attacks (required by those)")
     parser.add_argument("--victim-key", default="", help="hex public key whose peer id `spoof` claims")
     parser.add_argument("--mates", default="", help="peer_id_hex@host:port,... of its stage-mates")
     parser.add_argument("--limits", default="{}", help="StageLimits fields as JSON")
+    parser.add_argument("--bootstrap", default="", help="host:port of a DHT node: find mates and announce there")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = load_spec(args.job)
-    job_id, peer_id = bytes.fromhex(args.job_id), bytes.fromhex(args.peer_id)
+    job_id = bytes.fromhex(args.job_id)
     if args.mode in ATTACKS:
         if not args.target:
             parser.error(f"--mode {args.mode} needs --target")
         return await attack(args, job_id)
+    if args.bootstrap:
+        return await serve_through_dht(args, spec, job_id)
     router = Router()
     rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
     addr = f"{rpc.address[0]}:{rpc.address[1]}"
+    peer_id = bytes.fromhex(args.peer_id)
     mates = [StagePeer(bytes.fromhex(m.split("@")[0]), m.split("@")[1], args.stage)
              for m in args.mates.split(",") if m]
     directory = StaticDirectory({(job_id, args.stage): [*mates, StagePeer(peer_id, addr, args.stage)]})
