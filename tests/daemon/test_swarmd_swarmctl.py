@@ -78,6 +78,26 @@ def test_status_text_shows_rebalancing_checks_and_the_last_move() -> None:
     assert ctl._rebalance_rows({**section, "enabled": False}, now) == [("rebalance", "off")]
 
 
+def test_job_text_names_banned_peers_and_outliers() -> None:
+    """The text of `job`, from a reply as the daemon sends it: one `banned` line per ban of this
+    daemon's trainers, one `outliers` line per step in which a stage served here found outliers;
+    neither line without entries."""
+    bad, other = "3f" * 32, "a1" * 32
+    job = {"job": "cd" * 32, "name": "tiny", "status": "running: every stage has peers", "step": 8, "steps": 20,
+           "loss": 2.5, "samples_per_s": 3.0,
+           "stages": [{"stage": 1, "peers": [{"address": "127.0.0.1:7001", "step": 8, "samples_per_s": 3.0,
+                                              "queue": 0}]}],
+           "banned": [{"stage": 1, "peer": bad, "addr": "127.0.0.1:7002", "at": 1_000_000.0,
+                       "reason": "stage.forward_backward returned a bad reply: input gradient is not finite"}],
+           "outliers": [{"stage": 1, "step": 7, "peers": [bad, other]}]}
+    lines = ctl._job_text(job).splitlines()
+    assert lines[-2] == (f"banned     stage 1 peer {bad[:16]} (127.0.0.1:7002): "
+                         "stage.forward_backward returned a bad reply: input gradient is not finite")
+    assert lines[-1] == f"outliers   stage 1 step 7: {bad[:16]}, {other[:16]}"
+    quiet = ctl._job_text({**job, "banned": [], "outliers": []})
+    assert "banned" not in quiet and "outliers" not in quiet
+
+
 def test_bad_spec_file_is_a_usage_error(daemon, capsys, tmp_path) -> None:
     spec = tmp_path / "bad.toml"
     spec.write_text("name = \n")
