@@ -1,8 +1,11 @@
 """Real `swarmd` processes for the job tests, each with its own state dir, in a directory that the
-unprivileged user of the permission test (`nobody`) may enter; always killed at the end."""
+unprivileged user of the permission test (`nobody`) may enter; always killed at the end. The `kit`
+fixture carries what the daemon tests share besides: the small job they train, waiting, and the
+check that every committed step holds the whole global batch."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +14,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from types import SimpleNamespace
+from typing import Callable, Iterator, TypeVar
 
 import pytest
 
@@ -24,6 +28,17 @@ START_TIMEOUT_S = 90.0
 FAST = {"SWARMD_PEERS_PING_INTERVAL_S": "0.5", "SWARMD_PEERS_DISCOVERY_INTERVAL_S": "1",
         "SWARMD_NETWORK_BOOTSTRAP_RETRY_INITIAL_S": "0.3", "SWARMD_NETWORK_BOOTSTRAP_RETRY_MAX_S": "1",
         "SWARMD_JOBS_SERVE": "none", "SWARMD_JOBS_JOIN_INTERVAL_S": "0.5"}
+#: The job most daemon tests train: three one-layer stages of a 32-wide transformer, plain SGD;
+#: small enough that a step takes well under a second on a busy box. `job_spec` merges a test's
+#: own settings over it.
+TINY_JOB: dict[str, dict] = {
+    "model": {"arch": "transformer-lm", "d_model": 32, "n_heads": 2, "layers_per_stage": 1, "vocab": 256},
+    "data": {"seq_len": 16},
+    "batch": {"global_samples": 4, "microbatch_samples": 2},
+    "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant"},
+    "pipeline": {"stages": 3},
+}
+T = TypeVar("T")
 
 
 @dataclass
@@ -123,3 +138,81 @@ def run_swarmctl(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Complet
 @pytest.fixture(scope="session")
 def swarmctl():
     return run_swarmctl
+
+
+def job_spec(name: str, *, seed: int, steps: int, corpus: Path, **sections: dict) -> str:
+    """TOML of TINY_JOB training on `corpus`, each of `sections` merged key by key over its section
+    (or added, when TINY_JOB has no such section)."""
+    merged = {section: dict(values) for section, values in TINY_JOB.items()}
+    for section, values in sections.items():
+        merged.setdefault(section, {}).update(values)
+    merged["data"]["files"] = [str(corpus)]
+    lines = [f"name = {_toml(name)}", f"seed = {seed}", f"steps = {steps}"]
+    for section, values in merged.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    raise TypeError(f"no TOML form for {value!r} in a test job spec")
+
+
+def write_job(where: Path, name: str, *, copies: int = 4, file: str | None = None, **spec) -> tuple[Path, Path]:
+    """Write a corpus (the stdlib's json module source, `copies` times: real text, always there)
+    and the job's spec under `where`, both named `file` (default: the job's name); return both."""
+    stem = file or name
+    data, spec_path = where / f"{stem}.txt", where / f"{stem}.toml"
+    data.write_text(Path(json.__file__).read_text() * copies)
+    spec_path.write_text(job_spec(name, corpus=data, **spec))
+    return data, spec_path
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.3) -> T:
+    """Poll until `predicate` returns something truthy and return it; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(interval)
+
+
+def finished(daemon: JobDaemon, job_id: str) -> dict | None:
+    """The job as `daemon` reports it once done or failed; None while it still trains or waits."""
+    job = daemon.client.job(job_id)
+    return job if job["state"] in ("done", "failed") else None
+
+
+def step_events(daemon: JobDaemon, job_id: str) -> list[dict]:
+    return [e for e in daemon.client.logs(job_id) if e["kind"] == "step"]
+
+
+def whole_steps(events: list[dict], global_samples: int, microbatch_samples: int) -> int:
+    """Assert that every stage record read back holds the whole global batch (re-sent microbatches
+    counted apart as duplicates); return how many records were read back (-1: not in time)."""
+    known = 0
+    for event in events:
+        print(f"step {event['step']}: stage samples {event['stage_samples']}, duplicates {event['duplicates']}, "
+              f"retries {event['retries']}")
+        for samples, duplicates in zip(event["stage_samples"], event["duplicates"]):
+            if samples >= 0 and duplicates >= 0:
+                known += 1
+                assert samples - duplicates * microbatch_samples == global_samples, event
+    return known
+
+
+@pytest.fixture(scope="session")
+def kit() -> SimpleNamespace:
+    """The helpers above (pytest's importlib mode cannot import conftest from a test module)."""
+    return SimpleNamespace(FAST=FAST, TINY_JOB=TINY_JOB, job_spec=job_spec, write_job=write_job, wait_for=wait_for,
+                           finished=finished, step_events=step_events, whole_steps=whole_steps)

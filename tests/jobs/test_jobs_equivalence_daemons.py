@@ -10,7 +10,6 @@ matches the reference's within 1e-3 relative."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -22,76 +21,38 @@ from swarmd.reference import ReferenceTrainer
 from swarmd.stage.checkpoint import checkpoint_dir, read_checkpoint
 
 STEPS = 5
-SPEC = f"""name = "equiv"
-seed = 7
-steps = {STEPS}
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 2
-layers_per_stage = 1
-vocab = 256
-dropout = 0.0
-[data]
-files = ["{{data}}"]
-seq_len = 16
-[batch]
-global_samples = 8
-microbatch_samples = 2
-[optim]
-name = "{{optim}}"
-lr = 0.05
-momentum = 0.9
-weight_decay = 0.0
-schedule = "constant"
-clip_norm = 0.0
-[wire]
-activations = "none"
-gradients = "none"
-[pipeline]
-stages = 3
-delayed_updates = false
-[checkpoint]
-every_steps = {STEPS}
-"""
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+#: Plain arithmetic to compare: no dropout, no clipping, no weight decay, no wire codec, no delay.
+EXACT = {"model": {"dropout": 0.0}, "batch": {"global_samples": 8},
+         "optim": {"momentum": 0.9, "weight_decay": 0.0, "clip_norm": 0.0},
+         "wire": {"activations": "none", "gradients": "none"}, "pipeline": {"delayed_updates": False},
+         "checkpoint": {"every_steps": STEPS}}
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_two_daemons_three_stages_match_the_reference(swarm, swarm_root: Path, swarmctl, optim: str) -> None:
+def test_two_daemons_three_stages_match_the_reference(swarm, swarm_root: Path, swarmctl, kit, optim: str) -> None:
     torch.set_num_threads(1)
-    data = swarm_root / "equiv.txt"
-    data.write_text(Path(json.__file__).read_text() * 4)
-    spec_path = swarm_root / f"equiv-{optim}.toml"
-    spec_path.write_text(SPEC.format(data=data, optim=optim))
+    sections = {**EXACT, "optim": {**EXACT["optim"], "name": optim}}
+    data, spec_path = kit.write_job(swarm_root, "equiv", file=f"equiv-{optim}", seed=7, steps=STEPS, **sections)
     a = swarm.start(f"{optim}-a")
     b = swarm.start(f"{optim}-b", "--bootstrap", a.status["announce"])
 
     submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
     assert submitted.returncode == EXIT_OK, submitted.stderr
     job_id = json.loads(submitted.stdout)["job"]
-    wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job")
+    kit.wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job", interval=0.5)
     for daemon in (a, b):
         for stage in range(3):
             result = swarmctl("--socket", str(daemon.socket), "--json", "serve", job_id, "--stage", str(stage))
             assert result.returncode == EXIT_OK, result.stderr
-    wait_for(lambda: all(len(s["peers"]) == 2 for s in a.client.job(job_id)["stages"]), 30, "two peers per stage")
+    kit.wait_for(lambda: all(len(s["peers"]) == 2 for s in a.client.job(job_id)["stages"]), 30, "two peers per stage",
+                 interval=0.5)
 
     for shard, daemon in enumerate((a, b)):
         result = swarmctl("--socket", str(daemon.socket), "train", job_id, "--data", str(data),
                           "--shard", str(shard), "--shards", "2")
         assert result.returncode == EXIT_OK, result.stderr
     for daemon in (a, b):
-        wait_for(lambda: daemon.client.job(job_id)["state"] in ("done", "failed"), 150, "training to finish")
+        kit.wait_for(lambda: kit.finished(daemon, job_id), 150, "training to finish", interval=0.5)
         assert daemon.client.job(job_id)["state"] == "done", daemon.client.logs(job_id)
 
     spec = parse_toml(spec_path.read_text())

@@ -11,45 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import tty
 from pathlib import Path
 
 STEPS = 4
-SPEC = f"""name = "joining"
-seed = 3
-steps = {STEPS}
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 2
-layers_per_stage = 1
-vocab = 256
-[data]
-files = ["{{data}}"]
-seq_len = 16
-[batch]
-global_samples = 4
-microbatch_samples = 2
-[optim]
-name = "sgd"
-lr = 0.05
-schedule = "constant"
-[pipeline]
-stages = 3
-"""
 #: Serve every job (the fixture's daemons look at the jobs index twice a second).
 AUTO = {"SWARMD_JOBS_SERVE": "all"}
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def on_a_terminal(*args: str, no_color: bool) -> str:
@@ -94,19 +61,16 @@ def check_follow_output(daemon, job_id: str) -> None:
     assert sum(" step " in line and "committed" in line for line in lines) == STEPS and "trained 4 steps" in lines[-1]
 
 
-def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, swarm_root: Path, swarmctl) -> None:
-    data = swarm_root / "joining.txt"
-    data.write_text(Path(json.__file__).read_text() * 4)
-    spec_path = swarm_root / "joining.toml"
-    spec_path.write_text(SPEC.format(data=data))
+def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, swarm_root: Path, swarmctl,
+                                                                         kit) -> None:
+    _, spec_path = kit.write_job(swarm_root, "joining", seed=3, steps=STEPS)
     trainer = swarm.start("jt")  # serve = "none" (the fixture's default): it only trains
     servers = [swarm.start(f"j{i}", "--bootstrap", trainer.status["announce"], env=AUTO) for i in range(3)]
     submitted = swarmctl("--socket", str(trainer.socket), "--json", "submit", str(spec_path))
     assert submitted.returncode == 0, submitted.stderr
     job_id = json.loads(submitted.stdout)["job"]
 
-    done = wait_for(lambda: (lambda j: j if j["state"] in ("done", "failed") else None)(trainer.client.job(job_id)),
-                    240, "training to finish with automatically joined stages")
+    done = kit.wait_for(lambda: kit.finished(trainer, job_id), 240, "training to finish with automatically joined stages")
     assert done["state"] == "done" and done["step"] == STEPS, trainer.client.logs(job_id)
     served = {d.name: d.client.status()["serving"]["stages"] for d in servers}
     print("served:", served)
@@ -128,33 +92,30 @@ def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, s
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(timeout=30)
     restarted = swarm.restart(victim)
-    wait_for(lambda: restarted.client.status()["serving"]["stages"] == before, 60,
-             "the restarted daemon to rejoin its remembered stage")
+    kit.wait_for(lambda: restarted.client.status()["serving"]["stages"] == before, 60,
+                 "the restarted daemon to rejoin its remembered stage")
     for stage in (int(s.split("/")[1]) for s in before):
-        wait_for(lambda: [p for p in restarted.client.job(job_id)["stages"][stage]["peers"]
-                          if p["peer_id"] == restarted.status["peer_id"] and p["state"] == "serving"], 30,
-                 "the rejoined stage's announcement")
+        kit.wait_for(lambda: [p for p in restarted.client.job(job_id)["stages"][stage]["peers"]
+                              if p["peer_id"] == restarted.status["peer_id"] and p["state"] == "serving"], 30,
+                     "the rejoined stage's announcement")
 
 
-def test_a_restarted_daemon_forgets_a_cancelled_job(swarm, swarm_root: Path, swarmctl) -> None:
+def test_a_restarted_daemon_forgets_a_cancelled_job(swarm, swarm_root: Path, swarmctl, kit) -> None:
     """Steps: a daemon pins stage 0 of a job by hand (remembered), the submitter cancels the job,
     the stage's daemon is SIGKILLed and restarted. Expected: it does not rejoin (the job left its
     submitter's index), and after `jobs.rejoin_wait_s` its served-stages file no longer lists it."""
-    data = swarm_root / "cancelled.txt"
-    data.write_text(Path(json.__file__).read_text())
-    spec_path = swarm_root / "cancelled.toml"
-    spec_path.write_text(SPEC.format(data=data).replace('name = "joining"', 'name = "cancelled"'))
+    _, spec_path = kit.write_job(swarm_root, "cancelled", copies=1, seed=3, steps=STEPS)
     submitter = swarm.start("cs")
     server = swarm.start("cv", "--bootstrap", submitter.status["announce"], env={"SWARMD_JOBS_REJOIN_WAIT_S": "3"})
     job_id = json.loads(swarmctl("--socket", str(submitter.socket), "--json", "submit", "--trainers", "0",
                                  str(spec_path)).stdout)["job"]
     assert swarmctl("--socket", str(server.socket), "serve", job_id, "--stage", "0").returncode == 0
     memory = swarm_root / "cv" / "state" / "served-stages.json"
-    wait_for(lambda: memory.exists() and json.loads(memory.read_text())["stages"], 10, "the stage remembered")
+    kit.wait_for(lambda: memory.exists() and json.loads(memory.read_text())["stages"], 10, "the stage remembered")
     assert swarmctl("--socket", str(submitter.socket), "cancel", job_id).returncode == 0
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(timeout=30)
     restarted = swarm.restart(server)
-    wait_for(lambda: json.loads(memory.read_text())["stages"] == [], 60, "the cancelled job to be forgotten")
+    kit.wait_for(lambda: json.loads(memory.read_text())["stages"] == [], 60, "the cancelled job to be forgotten")
     assert restarted.client.status()["serving"]["stages"] == []
     assert "forgetting stage 0" in restarted.log.read_text()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 from swarmd.exitcodes import EXIT_OK
@@ -19,48 +18,14 @@ EVERY = 6
 #: Announcements refreshed every second and lapsing after three, so the dead peer's record is
 #: gone from the stage's peers within seconds instead of the default 90 s.
 SHORT_ANNOUNCE = {"SWARMD_DHT_REFRESH_INTERVAL": "1", "SWARMD_DHT_ANNOUNCE_TTL": "3"}
-SPEC = f"""name = "wiped"
-seed = 5
-steps = {STEPS}
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 2
-layers_per_stage = 1
-vocab = 256
-[data]
-files = ["{{data}}"]
-seq_len = 16
-[batch]
-global_samples = 4
-microbatch_samples = 2
-[optim]
-name = "sgd"
-lr = 0.05
-schedule = "constant"
-[pipeline]
-stages = 3
-[checkpoint]
-every_steps = {EVERY}
-"""
+GLOBAL, MICRO = 4, 2
 
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def test_wiped_stage_makes_the_job_wait_then_resumes_when_its_daemon_restarts(swarm, swarm_root: Path,
-                                                                             swarmctl) -> None:
-    data = swarm_root / "wiped.txt"
-    data.write_text(Path(json.__file__).read_text() * 4)
-    spec_path = swarm_root / "wiped.toml"
-    spec_path.write_text(SPEC.format(data=data))
+                                                                             swarmctl, kit) -> None:
+    data, spec_path = kit.write_job(swarm_root, "wiped", seed=5, steps=STEPS, checkpoint={"every_steps": EVERY},
+                                    batch={"global_samples": GLOBAL, "microbatch_samples": MICRO})
     a = swarm.start("wa", env=SHORT_ANNOUNCE)
     c = swarm.start("wc", "--bootstrap", a.status["announce"], env=SHORT_ANNOUNCE)
     job_id = json.loads(swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0",
@@ -68,14 +33,14 @@ def test_wiped_stage_makes_the_job_wait_then_resumes_when_its_daemon_restarts(sw
     for stage in (0, 2):
         assert swarmctl("--socket", str(a.socket), "serve", job_id, "--stage", str(stage)).returncode == EXIT_OK
     assert swarmctl("--socket", str(c.socket), "serve", job_id, "--stage", "1").returncode == EXIT_OK
-    wait_for(lambda: all(s["peers"] for s in a.client.job(job_id)["stages"]), 30, "a peer on every stage")
+    kit.wait_for(lambda: all(s["peers"] for s in a.client.job(job_id)["stages"]), 30, "a peer on every stage")
     assert swarmctl("--socket", str(a.socket), "train", job_id, "--data", str(data)).returncode == EXIT_OK
 
-    wait_for(lambda: a.client.job(job_id)["step"] >= EVERY + 1, 90, "a checkpoint, then one more step")
+    kit.wait_for(lambda: a.client.job(job_id)["step"] >= EVERY + 1, 90, "a checkpoint, then one more step")
     c.proc.send_signal(signal.SIGKILL)
     c.proc.wait(timeout=30)
-    stalled = wait_for(lambda: (lambda j: j if "stage 1 has no peers" in j["status"] else None)(a.client.job(job_id)),
-                       30, "the job to report stage 1 empty")
+    stalled = kit.wait_for(lambda: (lambda j: j if "stage 1 has no peers" in j["status"] else None)(a.client.job(job_id)),
+                           30, "the job to report stage 1 empty")
     shown = swarmctl("--socket", str(a.socket), "job", job_id)
     print(shown.stdout)
     assert stalled["state"] == "waiting" and "waiting: stage 1 has no peers" in shown.stdout
@@ -86,17 +51,13 @@ def test_wiped_stage_makes_the_job_wait_then_resumes_when_its_daemon_restarts(sw
 
     # No `swarmctl serve`: the restarted daemon rejoins the stage from its served-stages file.
     restarted = swarm.restart(c)
-    wait_for(lambda: restarted.client.status()["serving"]["stages"] == [f"{job_id[:16]}/1"], 60,
-             "the restarted daemon to rejoin stage 1")
-    done = wait_for(lambda: (lambda j: j if j["state"] in ("done", "failed") else None)(a.client.job(job_id)),
-                    180, "training to finish after the stage came back")
-    events = [e for e in a.client.logs(job_id) if e["kind"] == "step"]
+    kit.wait_for(lambda: restarted.client.status()["serving"]["stages"] == [f"{job_id[:16]}/1"], 60,
+                 "the restarted daemon to rejoin stage 1")
+    done = kit.wait_for(lambda: kit.finished(a, job_id), 180, "training to finish after the stage came back")
+    events = kit.step_events(a, job_id)
     assert done["state"] == "done" and [e["step"] for e in events] == list(range(1, STEPS + 1)), events
-    for event in events:
-        print(f"step {event['step']}: stage samples {event['stage_samples']}, duplicates {event['duplicates']}")
-        for samples, dups in zip(event["stage_samples"], event["duplicates"]):
-            assert samples >= 0 and dups >= 0, event  # every stage reported the step it committed
-            assert samples - dups * 2 == 4, event  # global_samples, duplicated microbatches aside
+    # Every stage reported each step it committed, and each holds the whole global batch.
+    assert kit.whole_steps(events, GLOBAL, MICRO) == 3 * len(events), events
     log = restarted.log.read_text()
     resumed = [line for line in log.splitlines() if "restored checkpoint" in line or "resumed at step" in line]
     print(f"waiting at step {waiting_at};", *resumed, sep="\n")

@@ -23,6 +23,7 @@ _spec.loader.exec_module(jobs_conftest)
 swarm_root = jobs_conftest.swarm_root
 swarm = jobs_conftest.swarm
 swarmctl = jobs_conftest.swarmctl
+kit = jobs_conftest.kit
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 #: CFS period of the test's groups: short, so even a few milliseconds of compute feel the quota.
