@@ -12,8 +12,9 @@ how many inputs were tried and how many failed. Without atheris the same targets
 
 Prints one JSON object: `targets.<name>.inputs`, `.crashes`, `.invariants`, `.hangs`,
 `.over_allocations`, `.seconds`, `.engine`, `.coverage` (libFuzzer's final `cov:`, atheris only),
-`.findings` (distinct ones, with the input as hex (cut after 1 KiB), the traceback's last lines,
-and the known-bug name when it is one already reported), and `totals` with `unknown_findings` (the target is 0).
+`.findings` (distinct ones, with the input as hex (cut after 1 KiB) and the traceback's last lines),
+and `totals`: the same counts summed, plus `findings`, every failing input of every kind (the
+target is 0; each one is fixed at its root and its input appended to fuzz_targets.FIXED_BUGS).
 
     .venv/bin/python bench/fuzz.py [--quick] [--seconds-per-target N] [--targets a,b] [--engine E]
 """
@@ -43,6 +44,7 @@ MAX_LEN = 64 * 1024
 LIBFUZZER_TIMEOUT_S = 10
 """libFuzzer kills an input after this (a real infinite loop); the oracle's 1 s hang rule is separate."""
 INSTRUMENTED = ["transport", "swarmd", "tomllib"]
+FINDING_KINDS = ("crashes", "invariants", "hangs", "over_allocations")
 
 
 def _harness():
@@ -176,7 +178,7 @@ def run_target(name: str, seconds: int, engine: str) -> dict:
             result[kind] += 1
             result["findings"].append({"kind": kind.rstrip("s"), "target": name, "detail": f"libFuzzer: {reason}",
                                        "input_hex": artifact.read_bytes().hex() if artifact else None,
-                                       "known": None, "log_tail": log[-2000:]})
+                                       "log_tail": log[-2000:]})
         return result
 
 
@@ -207,7 +209,7 @@ def main() -> None:
     if engine == "atheris" and not has_atheris:
         parser.error(f"atheris cannot be imported: {why_not}")
     _harness()
-    from fuzz_targets import KNOWN_BUGS, TARGETS
+    from fuzz_targets import TARGETS
 
     names = [n for n in args.targets.split(",") if n] or list(TARGETS)
     unknown = sorted(set(names) - set(TARGETS))
@@ -221,12 +223,9 @@ def main() -> None:
         report["targets"][name] = run_target(name, seconds, engine)
     results = report["targets"].values()
     report["totals"] = {
-        key: sum(r[key] for r in results) for key in ("inputs", "crashes", "invariants", "hangs", "over_allocations")
+        key: sum(r[key] for r in results) for key in ("inputs", *FINDING_KINDS)
     }
-    report["totals"]["unknown_findings"] = sum(1 for r in results for f in r["findings"] if not f.get("known"))
-    report["known_bugs"] = {bug.name: {"owner_file": bug.owner_file, "summary": bug.summary,
-                                       "reproducer_bytes": len(bug.reproducer),
-                                       "reproducer_hex": _short_hex(bug.reproducer)} for bug in KNOWN_BUGS}
+    report["totals"]["findings"] = sum(report["totals"][key] for key in FINDING_KINDS)
     for result in results:
         for finding in result["findings"]:
             if finding.get("input_hex"):

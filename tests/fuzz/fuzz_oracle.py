@@ -11,8 +11,7 @@ Shared by the bounded hypothesis tests (tests/fuzz/) and the long coverage-guide
 - over_allocation: tracemalloc's peak for the input, or the process's max RSS growth, passed the
   target's bound, which each target derives from the limits it runs under.
 
-A failure whose signature matches one of the target's `known_bugs` is still counted, but tagged with
-the bug's name so the tests can stay green while each known bug keeps its own strict-xfail reproducer.
+Nothing is tolerated: a finding is fixed at its root and its input kept in fuzz_targets.FIXED_BUGS.
 """
 
 from __future__ import annotations
@@ -43,17 +42,6 @@ class WatchdogFired(BaseException):
 
 
 @dataclass(frozen=True)
-class KnownBug:
-    """A failure already reported to the module's owner; `matches` recognises it from the exception."""
-
-    name: str
-    owner_file: str
-    matches: Callable[[BaseException], bool]
-    reproducer: bytes
-    summary: str
-
-
-@dataclass(frozen=True)
 class Target:
     """One decoder entry point fed raw bytes; `run` raises only `expected` errors when it works, and
     returns False when the harness skipped the input before the module under test saw it."""
@@ -63,7 +51,6 @@ class Target:
     expected: tuple[type[BaseException], ...]
     alloc_bound: Callable[[int], int]  # input length -> bytes allowed at peak
     seeds: Callable[[], list[bytes]]
-    known_bugs: tuple[KnownBug, ...] = ()
     description: str = ""
 
 
@@ -73,17 +60,16 @@ class Finding:
     target: str
     data: bytes
     detail: str
-    known: str | None = None  # name of the KnownBug it matches
 
     @property
     def signature(self) -> tuple:
-        """What tells two findings apart: kind, known bug, and the error's type (text before ':')."""
+        """What tells two findings apart: kind and the error's type (text before ':')."""
         last = self.detail.splitlines()[-1] if self.detail else ""
-        return self.kind, self.known, last.split(":")[0]
+        return self.kind, last.split(":")[0]
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "target": self.target, "input_hex": self.data.hex(),
-                "detail": self.detail, "known": self.known}
+                "detail": self.detail}
 
 
 @dataclass
@@ -156,8 +142,7 @@ def check(target: Target, data: bytes, watchdog: bool = True) -> tuple[Finding |
     if failure is not None:
         kind, exc = failure
         detail = "".join(traceback.format_exception(exc)).strip()
-        known = next((bug.name for bug in target.known_bugs if bug.matches(exc)), None)
-        return Finding(kind, target.name, data, detail, known), elapsed, peak
+        return Finding(kind, target.name, data, detail), elapsed, peak
     if elapsed > HANG_S:
         return Finding("hang", target.name, data, f"took {elapsed:.3f} s, limit {HANG_S} s"), elapsed, peak
     if peak > bound or rss_growth > bound + RSS_SLACK_BYTES:
@@ -166,19 +151,8 @@ def check(target: Target, data: bytes, watchdog: bool = True) -> tuple[Finding |
     return None, elapsed, peak
 
 
-def raised_in(exc_type: type[BaseException], path_part: str, message_part: str = "") -> Callable[[BaseException], bool]:
-    """A KnownBug matcher: this exception type, raised from a frame whose file path contains `path_part`."""
-
-    def matches(exc: BaseException) -> bool:
-        if type(exc) is not exc_type or message_part not in str(exc):
-            return False
-        return any(path_part in frame.filename for frame in traceback.extract_tb(exc.__traceback__))
-
-    return matches
-
-
 def assert_clean(target: Target, data: bytes) -> None:
-    """For tests: fail on any finding that is not a known, separately reproduced bug."""
+    """For tests: fail on any finding, with the input as hex so it can be appended to FIXED_BUGS."""
     finding, _, _ = check(target, data)
-    if finding is not None and finding.known is None:
+    if finding is not None:
         raise AssertionError(f"{finding.kind} in {target.name} on input {data.hex()}:\n{finding.detail}")

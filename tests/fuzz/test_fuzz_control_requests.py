@@ -1,8 +1,7 @@
 """Fuzz, bounded for CI: swarmd.control's handlers on request headers decoded as the control socket's RPC decodes
 them. Only RpcError may come out, and a key handed to the daemon's dht_get is a schema key.
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations

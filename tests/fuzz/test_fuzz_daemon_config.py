@@ -1,8 +1,7 @@
 """Fuzz, bounded for CI: swarmd.config.read_file + build on arbitrary config file bytes, then the --check-config
 TOML (to_toml) must load back to the same config. Only swarmd.config.ConfigError may come out.
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 them, with every decoded record checked (records.check_record) and stored (storage.Storage.put), and
 namespace_of on raw key bytes. Only the DHT's DHTError tree may come out.
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations

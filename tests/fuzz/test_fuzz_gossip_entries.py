@@ -1,8 +1,7 @@
 """Fuzz, bounded for CI: swarmd.rebalance.view.decode_entries, then GossipView.merge (open and members-only) and
 .table. Only RebalanceError (MalformedEntry) may come out, and a view never holds more than max_peers.
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations

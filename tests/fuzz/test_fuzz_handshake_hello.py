@@ -2,8 +2,7 @@
 without swarm key, as initiator and responder), then Limits.from_dict on what it announced. Only
 HandshakeError may come out (MalformedFrame from the limits is converted by the connection).
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Fuzz, bounded for CI: swarmd.job.spec: TOML text through parse_toml and DHT bytes through JobSpec.from_msgpack.
 Only SpecError may come out; a spec that parses must load back from its canonical msgpack unchanged.
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations

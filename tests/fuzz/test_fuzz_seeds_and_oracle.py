@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fuzz_oracle import HANG_S, InvariantBroken, KnownBug, Target, check, raised_in
+from fuzz_oracle import HANG_S, InvariantBroken, Target, assert_clean, check
 from fuzz_targets import TARGETS
 
 
@@ -33,8 +33,8 @@ def test_seeds_are_accepted_by_their_target(name: str) -> None:
     assert accepted >= len(seeds) / 2
 
 
-def _target(run, expected=(ValueError,), bound=1 << 20, known=()) -> Target:
-    return Target("probe", run, expected, lambda n: bound, lambda: [b""], known)
+def _target(run, expected=(ValueError,), bound=1 << 20) -> Target:
+    return Target("probe", run, expected, lambda n: bound, lambda: [b""])
 
 
 def test_documented_error_is_not_a_finding() -> None:
@@ -49,16 +49,18 @@ def test_undocumented_exception_is_a_crash_with_its_traceback() -> None:
         return {}[data]
 
     finding = check(_target(run), b"\x01")[0]
-    assert finding.kind == "crash" and "KeyError" in finding.detail and finding.known is None
+    assert finding.kind == "crash" and "KeyError" in finding.detail
 
 
-def test_known_bug_is_counted_but_named() -> None:
+def test_assert_clean_fails_on_every_finding_and_names_the_input() -> None:
+    """No finding is tolerated in the fuzz tests; the failure carries the input to add to FIXED_BUGS."""
     def run(data):
         raise OverflowError("int too large")
 
-    bug = KnownBug("probe-bug", __file__, raised_in(OverflowError, "test_fuzz_seeds_and_oracle"), b"", "probe")
-    finding = check(_target(run, known=(bug,)), b"")[0]
-    assert finding.kind == "crash" and finding.known == "probe-bug"
+    with pytest.raises(AssertionError, match="crash in probe on input 01ff") as failure:
+        assert_clean(_target(run), b"\x01\xff")
+    assert "OverflowError" in str(failure.value)
+    assert_clean(_target(lambda data: None), b"\x01\xff")
 
 
 def test_slow_input_is_a_hang() -> None:

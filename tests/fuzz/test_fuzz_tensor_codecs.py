@@ -2,8 +2,7 @@
 read-only, aligned and not), for every codec. Only CodecError / LimitExceeded / ProtocolError may come
 out, and a tensor that does decode has exactly the announced shape and dtype.
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations

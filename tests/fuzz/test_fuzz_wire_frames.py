@@ -2,8 +2,7 @@
 fed whole and in small pieces. Only ProtocolError subclasses may come out; both feeding patterns
 must decode alike; allocation stays under max_inflight_bytes + 4 x max_frame_bytes (+ header objects).
 
-Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); known bugs of the
-module are tolerated here only because each has a strict-xfail reproducer in test_fuzz_known_bugs.py.
+Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
 """
 
 from __future__ import annotations
