@@ -262,9 +262,10 @@ async def serve_through_dht(args: argparse.Namespace, spec, job_id: bytes) -> No
                                  DHTStageDirectory(dht, DIRECTORY_TTL_S), address=addr,
                                  limits=StageLimits(**json.loads(args.limits)))
         await service.start()
-        announcement = dht.announce(stage_key(job_id, args.stage), lambda: announcement_value(addr, service.announcement()))
-        print(json.dumps({"addr": addr, "announcement": service.announcement(), "transport_id": identity.peer_id.hex()}),
-              flush=True)
+        announcement = dht.announce(stage_key(job_id, args.stage),
+                                    lambda: announcement_value(addr, service.announcement()))
+        ready = {"addr": addr, "announcement": service.announcement(), "transport_id": identity.peer_id.hex()}
+        print(json.dumps(ready), flush=True)
         await until_stdin_closes()
         await dht.withdraw(announcement)
     finally:
