@@ -27,8 +27,14 @@ MAX_SPEC_BYTES = 64 * 1024
 JOB_ID_DOMAIN = b"swarmd/job/v1\0"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MAX_SEED = 2**63 - 1  # msgpack and torch generators both take it
+# Each CenteredClip iteration is a pass over every gradient part a reducer holds, on every step;
+# a spec from the DHT must not make serving daemons spin. A handful already converge (robust.py).
+MAX_CLIP_ITERATIONS = 100
 
 Codec = Literal["none", "fp16", "lz4", "fp16+lz4", "int8"]
+# How each stage's all-reduce combines its members' gradients (swarmd/stage/robust.py); the names
+# are swarmd.stage.robust.AGGREGATES.
+Aggregate = Literal["mean", "centered_clip"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,13 @@ class OptimSpec:
     warmup_steps: int = 0
     min_lr: float = 0.0  # where cosine and linear decay end, at the job's last step
     clip_norm: float = 1.0  # on each stage's averaged gradient; 0 turns clipping off
+    # The stage all-reduce's combination. Every member of a round must combine alike (they must
+    # reach the same verdicts), so it is the job's choice, not a daemon's; the defaults are
+    # StageLimits' (swarmd/stage/limits.py says what each bounds).
+    aggregate: Aggregate = "mean"
+    clip_tau: float = 10.0  # centered_clip: bound on a peer's per-sample distance from the aggregate
+    clip_iterations: int = 3  # centered_clip
+    outlier_factor: float = 2.0  # centered_clip: reported past this many clip_tau
 
     def __post_init__(self) -> None:
         checks = [
@@ -96,6 +109,10 @@ class OptimSpec:
             ("warmup_steps", self.warmup_steps >= 0, "must not be negative"),
             ("min_lr", 0 <= self.min_lr <= self.lr, "must be in [0, optim.lr]"),
             ("clip_norm", self.clip_norm >= 0, "must not be negative (0 turns clipping off)"),
+            ("clip_tau", 0 < self.clip_tau < math.inf, "must be positive and finite"),
+            ("clip_iterations", 1 <= self.clip_iterations <= MAX_CLIP_ITERATIONS,
+             f"must be in [1, {MAX_CLIP_ITERATIONS}]"),
+            ("outlier_factor", 0 < self.outlier_factor < math.inf, "must be positive and finite"),
         ]
         for name, ok, message in checks:
             if not ok:

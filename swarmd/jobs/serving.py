@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class Serving:
         if len(self.served) >= self.max_stages:
             raise ValueError(f"already serving {len(self.served)} stages (jobs.max_stages = {self.max_stages})")
         service = StageService(spec, job_id, stage, self.peer_id, self.router, self.pool, self.directory,
-                               address=self.address, device=self.device, limits=self.limits,
+                               address=self.address, device=self.device, limits=job_limits(self.limits, spec),
                                state_dir=self.state_dir)
         await service.start()
         ann = self.dht.announce(stage_key(job_id, stage),
@@ -117,8 +118,8 @@ class Serving:
             drained_at = time.monotonic()
             moving.phase = JOINING
             new = StageService(old.service.spec, job_id, to_stage, self.peer_id, self.router, self.pool,
-                               self.directory, address=self.address, device=self.device, limits=self.limits,
-                               state_dir=self.state_dir)
+                               self.directory, address=self.address, device=self.device,
+                               limits=job_limits(self.limits, old.service.spec), state_dir=self.state_dir)
             try:
                 await new.start()
             except (TransportError, RpcError, StateError, OSError, ValueError) as exc:
@@ -192,6 +193,16 @@ class Serving:
             await self.dht.withdraw(item.announcement)
         for item in served:
             await item.service.stop()
+
+
+def job_limits(limits: StageLimits, spec: Any) -> StageLimits:
+    """The daemon's stage limits with the job's all-reduce aggregate (`[optim] aggregate`, `clip_tau`,
+    `clip_iterations`, `outlier_factor`). Every member of a round must combine its parts alike, or
+    their verdicts on the same peer differ; the spec, hashed into the job id, is what they share,
+    so a daemon's own setting of these fields never reaches a job's stage."""
+    optim = spec.optim
+    return dataclasses.replace(limits, aggregate=optim.aggregate, clip_tau=optim.clip_tau,
+                               clip_iterations=optim.clip_iterations, outlier_factor=optim.outlier_factor)
 
 
 async def final_checkpoint(service: StageService) -> Path | None:

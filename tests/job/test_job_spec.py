@@ -2,6 +2,7 @@
 
 import copy
 import tomllib
+import typing
 from pathlib import Path
 
 import msgpack
@@ -9,6 +10,8 @@ import pytest
 
 from swarmd.job import JobSpec, SpecError, load_spec, parse_toml
 from swarmd.model import TransformerConfig
+from swarmd.stage import StageLimits
+from swarmd.stage.robust import AGGREGATES
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-lm.toml"
 
@@ -72,6 +75,13 @@ def test_minimal_spec_fills_defaults():
         ("checkpoint.every_steps", -1, "checkpoint.every_steps", "negative"),
         ("name", "has space", "name", "letters"),
         ("batch", 3, "batch", "table"),
+        ("optim.aggregate", "median", "optim.aggregate", "one of"),
+        ("optim.clip_tau", 0, "optim.clip_tau", "positive"),
+        ("optim.clip_tau", float("nan"), "optim.clip_tau", "finite"),
+        ("optim.clip_iterations", 0, "optim.clip_iterations", "[1, 100]"),
+        ("optim.clip_iterations", 10**6, "optim.clip_iterations", "[1, 100]"),
+        ("optim.clip_iterations", 2.5, "optim.clip_iterations", "integer"),
+        ("optim.outlier_factor", -1.0, "optim.outlier_factor", "positive"),
     ],
 )
 def test_bad_field_is_named(path, value, field, words):
@@ -148,6 +158,25 @@ def test_from_msgpack_refuses_garbage_and_oversize():
         JobSpec.from_msgpack(b"\xc1")
     with pytest.raises(SpecError, match="MAX_SPEC_BYTES"):
         JobSpec.from_msgpack(msgpack.packb({"name": "x" * 70000}))
+
+
+def test_the_aggregate_defaults_to_the_exact_mean_with_the_stage_defaults():
+    """Steps: a spec without the aggregate fields, then one asking for centered_clip with its own
+    τ. Expected: the default is "mean" with StageLimits' own defaults (so a stage given no spec
+    setting and one given the default spec combine alike) and the choices are the stage's; the
+    chosen settings are read as given and round-trip through the canonical form."""
+    optim = JobSpec.from_dict(minimal()).optim
+    stage = StageLimits()
+    assert (optim.aggregate, optim.clip_tau, optim.clip_iterations, optim.outlier_factor) == (
+        stage.aggregate, stage.clip_tau, stage.clip_iterations, stage.outlier_factor) == ("mean", 10.0, 3, 2.0)
+    assert typing.get_args(typing.get_type_hints(type(optim))["aggregate"]) == AGGREGATES
+    raw = minimal()
+    raw["optim"] = {"aggregate": "centered_clip", "clip_tau": 4, "clip_iterations": 5, "outlier_factor": 3}
+    spec = JobSpec.from_dict(raw)
+    assert (spec.optim.aggregate, spec.optim.clip_tau, spec.optim.clip_iterations, spec.optim.outlier_factor) == (
+        "centered_clip", 4.0, 5, 3.0)
+    assert JobSpec.from_msgpack(spec.to_msgpack()) == spec
+    assert spec.job_id(b"a" * 32) != JobSpec.from_dict(minimal()).job_id(b"a" * 32)
 
 
 def test_job_id_depends_on_spec_and_submitter():
