@@ -48,8 +48,10 @@ class MateView:
 class StageSync:
     def __init__(self, service: "StageService") -> None:
         self.s = service
+        # A join lags its round's first part by at most the leader's join call (progress_timeout_s);
+        # twice that before a box nobody joined here counts as an orphan.
         self.mailbox = Mailbox(service.limits.max_open_rounds, service.limits.round_timeout_s,
-                               service.limits.progress_timeout_s, service.limits.closed_rounds_kept)
+                               2 * service.limits.progress_timeout_s, service.limits.closed_rounds_kept)
         self.in_round = False
         self.missing: list[int] = []  # ids some live peer once held for this step, none holds now
         self.uncovered: list[int] = []  # ids of this step no live peer holds

@@ -68,8 +68,8 @@ async def test_late_parts_of_closed_rounds_cannot_fill_the_mailbox(kit, client):
 async def test_boxes_of_rounds_never_joined_here_make_room(kit, client):
     """Steps: a mate sends first parts of two rounds (max_open_rounds=2) and neither round is ever
     joined here nor aborted (the leader's abort never arrived); a third round's part comes after
-    progress_timeout_s (0.2 s here; the test waits 0.5 s), the most a join can lag its round's first
-    part (the leader's join call times out by then).
+    twice progress_timeout_s (0.2 s here; the test waits 0.6 s): a join lags its round's first part
+    by at most the leader's join call, which times out after progress_timeout_s.
     Expected: the third round is accepted and the two orphans are gone."""
     spec = kit.make_spec(stages=3)
     peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(),
@@ -80,7 +80,7 @@ async def test_boxes_of_rounds_never_joined_here_make_room(kit, client):
         for _ in range(2):
             assert await code_of(client, peer.addr, "stage.sync.reduce",
                                  part_meta(kit, os.urandom(16), members), part) == "ok"
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.6)
         assert await code_of(client, peer.addr, "stage.sync.reduce",
                              part_meta(kit, os.urandom(16), members), part) == "ok"
         assert peer.service.sync.mailbox.open_rounds == 1
