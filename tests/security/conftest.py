@@ -253,9 +253,9 @@ def daemons(swarm_root):
 
 @pytest.fixture(scope="session")
 def jobs_kit():
-    """The job tests' helpers: writing a job and its corpus, waiting, a finished job."""
+    """The job tests' helpers: writing a job and its corpus, waiting, a finished job, its step events."""
     return SimpleNamespace(write_job=jobs_conftest.write_job, wait_for=jobs_conftest.wait_for,
-                           finished=jobs_conftest.finished)
+                           finished=jobs_conftest.finished, step_events=jobs_conftest.step_events)
 
 
 @pytest.fixture

@@ -26,7 +26,9 @@ A stage peer finds its stage-mates from `--mates` on its command line, or, with 
 host:port`, the way a daemon does: it runs a DHT node of its own (its own identity, on the same
 server as its stage) bootstrapped from that address, reads its mates from the DHT's stage
 announcements, and announces itself there as `swarmd.jobs.serving` does, so real daemons'
-trainers route to it. Its peer id is then its identity's (`--peer-id` is ignored).
+trainers route to it. Its peer id is then its identity's (`--peer-id` is ignored), and like a
+daemon it all-reduces with the job spec's aggregate (`job_limits`) over its `--limits`; with
+`--mates` the aggregate is `--limits`' own, as the in-process stages it joins are given theirs.
 
 It prints one JSON line (`addr`, `announcement`, `transport_id`: the peer id its connections prove)
 once serving or attacking, and stops when stdin closes; an attacker then prints a second line with
@@ -49,6 +51,7 @@ from swarmd.dht.records import Record, sign_record, signing_payload
 from swarmd.dht.rpc_network import RpcNetwork
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.jobs.directory import DHTStageDirectory, announcement_value, stage_key
+from swarmd.jobs.serving import job_limits
 from swarmd.job import load_spec
 from swarmd.stage import StageLimits, StageServer, StageService
 from transport.errors import HandshakeError, RemoteError
@@ -260,7 +263,7 @@ async def serve_through_dht(args: argparse.Namespace, spec, job_id: bytes) -> No
         HostileService.mode = args.mode
         service = HostileService(spec, job_id, args.stage, identity.peer_id, StageServer(router), pool,
                                  DHTStageDirectory(dht, DIRECTORY_TTL_S), address=addr,
-                                 limits=StageLimits(**json.loads(args.limits)))
+                                 limits=job_limits(StageLimits(**json.loads(args.limits)), spec))
         await service.start()
         announcement = dht.announce(stage_key(job_id, args.stage),
                                     lambda: announcement_value(addr, service.announcement()))
