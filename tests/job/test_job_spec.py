@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from swarmd.job import JobSpec, SpecError, load_spec, parse_toml
+from swarmd.jobs.serving import job_limits
 from swarmd.model import TransformerConfig
 from swarmd.stage import StageLimits
 from swarmd.stage.robust import AGGREGATES
@@ -177,6 +178,21 @@ def test_the_aggregate_defaults_to_the_exact_mean_with_the_stage_defaults():
         "centered_clip", 4.0, 5, 3.0)
     assert JobSpec.from_msgpack(spec.to_msgpack()) == spec
     assert spec.job_id(b"a" * 32) != JobSpec.from_dict(minimal()).job_id(b"a" * 32)
+
+
+def test_a_daemons_stage_limits_take_the_jobs_aggregate():
+    """Steps: a daemon's StageLimits with its own queue size and a (different) aggregate of its own,
+    given a centered_clip spec and then the default one. Expected: the served stage's limits keep
+    the daemon's other fields and carry the spec's four aggregate fields, whatever the daemon had."""
+    raw = minimal()
+    raw["optim"] = {"aggregate": "centered_clip", "clip_tau": 4.0, "clip_iterations": 5, "outlier_factor": 3.0}
+    daemon = StageLimits(queue_size=7, aggregate="mean", clip_tau=99.0)
+    served = job_limits(daemon, JobSpec.from_dict(raw))
+    assert (served.aggregate, served.clip_tau, served.clip_iterations, served.outlier_factor) == (
+        "centered_clip", 4.0, 5, 3.0)
+    assert served.queue_size == 7
+    plain = job_limits(StageLimits(aggregate="centered_clip"), JobSpec.from_dict(minimal()))
+    assert (plain.aggregate, plain.clip_tau) == ("mean", 10.0)
 
 
 def test_job_id_depends_on_spec_and_submitter():
