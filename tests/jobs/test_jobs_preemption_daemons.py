@@ -1,5 +1,7 @@
 """A stage peer SIGKILLed mid-training: the job goes on, no step counts a sample twice or misses one,
-and the restarted daemon (same state dir) downloads the stage's state and serves again."""
+and the restarted daemon (same state dir) downloads the stage's state and serves again, to the end:
+when the job ends every daemon leaves its stages, and the restarted one's final checkpoint is of the
+job's last step."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import signal
 from pathlib import Path
 
 from swarmd.exitcodes import EXIT_OK
+from swarmd.stage.checkpoint import checkpoint_dir
 
-STEPS = 12
+#: Enough steps that the job is still training when the killed daemon is back (a restart imports
+#: torch: seconds), since an ended job's stages are left and a `serve` of it is refused.
+STEPS = 60
 GLOBAL, MICRO = 8, 2
 
 
@@ -35,12 +40,15 @@ def test_killed_stage_peer_restarts_and_training_completes(swarm, swarm_root: Pa
     result = swarmctl("--socket", str(restarted.socket), "--json", "serve", job_id, "--stage", "1")
     assert result.returncode == EXIT_OK, result.stderr
 
-    kit.wait_for(lambda: kit.finished(a, job_id), 150, "training to finish")
+    kit.wait_for(lambda: [p for p in a.client.job(job_id)["stages"][1]["peers"]
+                          if p["peer_id"] == restarted.status["peer_id"] and p["state"] == "serving"], 30,
+                 "the restarted peer to serve stage 1 again")
+    kit.wait_for(lambda: kit.finished(a, job_id), 240, "training to finish")
     events = kit.step_events(a, job_id)
     assert a.client.job(job_id)["state"] == "done" and [e["step"] for e in events] == list(range(1, STEPS + 1))
     kit.whole_steps(events, GLOBAL, MICRO)
     print(f"killed after step {killed_at}")
-    # The restarted peer caught up from its mate and serves the stage at the job's last step.
-    kit.wait_for(lambda: [p for p in restarted.client.job(job_id)["stages"][1]["peers"]
-                          if p["peer_id"] == restarted.status["peer_id"] and p["step"] == STEPS], 30,
-                 "the restarted peer to announce the final step")
+    # The restarted peer caught up from its mate and served the stage to the job's last step: the
+    # final checkpoint it wrote when it left the ended job is of that step.
+    final = checkpoint_dir(restarted.socket.parent / "state", bytes.fromhex(job_id), 1) / f"step-{STEPS:010d}.pt"
+    kit.wait_for(final.exists, 30, f"the restarted peer's final checkpoint {final.name}")
