@@ -1,6 +1,6 @@
 """Automatic joining with real daemons: `jobs.serve = "all"` daemons notice a job in the DHT and
 serve every stage of it with no `swarmctl serve`; a `serve = "none"` daemon serves nothing (it only
-trains); a daemon SIGKILLed mid-job and restarted with its state dir rejoins the stage it served.
+trains); a daemon SIGKILLed mid-job and restarted with its state dir rejoins the stage it served."""
 
 from __future__ import annotations
 
