@@ -11,12 +11,11 @@ gap is still closed in well under a period. See docs/rebalancing.md for the rule
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import struct
 from dataclasses import dataclass
 
-from swarmd.rebalance.table import SERVING, StageTable
+from swarmd.rebalance.table import SERVING, PeerLoad, StageTable
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,10 @@ class PolicyConfig:
     margin: float = 0.01
     # Upper bound on moves in one plan, against pathological views (also bounds the plan's cost).
     max_moves: int = 256
+    # Relative error of a gossiped speed (an EMA of samples/s). Choices that measured speeds cannot
+    # tell apart within it go to noise-free keys (peer counts, stage index, peer id), so peers whose
+    # views differ only by noise name the same mover; 0.3 keeps +-25% noise on equal peers agreeing.
+    speed_tolerance: float = 0.3
 
     def __post_init__(self):
         if self.period_s <= 0 or self.confirm_after_s <= 0:
@@ -44,6 +47,8 @@ class PolicyConfig:
             raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
         if self.margin < 0 or self.max_moves < 1:
             raise ValueError("margin must be >= 0 and max_moves >= 1")
+        if not 0 <= self.speed_tolerance < 1:
+            raise ValueError(f"speed_tolerance must be in [0, 1), got {self.speed_tolerance}")
 
 
 @dataclass(frozen=True)
@@ -85,73 +90,169 @@ def jitter_factor(peer_id: bytes, now: float, jitter: float) -> float:
     return 1.0 - jitter + 2.0 * jitter * unit
 
 
-def _best_donor(table: StageTable, caps: list[float], counts: list[int], taken: set[bytes], bottleneck: int):
-    """(pair minimum, peer) for the move into `bottleneck` that best evens it with its donor.
+def _noise(tolerance: float, peers: int) -> float:
+    """Relative error of a figure averaged over `peers` measured speeds.
 
-    Donors are the three strongest stages; a stage keeps at least one serving peer. The best peer
-    has the speed closest to half the two stages' difference; ties go to the lowest peer id, so
-    every peer computing this from the same view picks the same mover.
+    Independent per-peer errors of up to `tolerance` shrink with the root of their number: three
+    standard deviations of the mean of `peers` errors spread evenly over +-tolerance, capped at the
+    worst case of one peer.
     """
-    base = caps[bottleneck]
-    best_pair, best_peer = base, None
-    for stage in heapq.nlargest(3, range(table.num_stages), key=caps.__getitem__):
-        if stage == bottleneck or counts[stage] < 2 or caps[stage] <= base:
-            continue
-        ideal = (caps[stage] - base) / 2.0
-        near, near_peer = math.inf, None
-        for peer in table.members[stage].values():
-            if peer.state != SERVING or peer.peer_id in taken:
+    return tolerance * min(1.0, math.sqrt(3.0 / max(peers, 1)))
+
+
+def _indistinct(low: float, low_noise: float, high: float, high_noise: float) -> bool:
+    """Whether `high` >= `low` could be the same true figure, each being known to within its noise."""
+    return high * (1.0 - high_noise) <= low * (1.0 + low_noise)
+
+
+def _alike(a: float, b: float, noise: float) -> bool:
+    """Whether two figures, each known to within `noise`, could be the same."""
+    return _indistinct(min(a, b), noise, max(a, b), noise)
+
+
+class _Greedy:
+    """One water-filling pass over the table: capacities and counts as the chosen moves leave them.
+
+    Every choice among options that measured speeds cannot tell apart (within `tolerance`) goes to a
+    noise-free key — peer counts, stage index, peer id — so peers whose views differ only by
+    measurement noise name the same movers for the same targets. With `by_count` every peer counts
+    as one and the pass is exact: for swarms whose peers are alike in speed.
+    """
+
+    def __init__(self, table: StageTable, margin: float, tolerance: float, by_count: bool = False):
+        self.table = table
+        self.margin = margin
+        self.tolerance = 0.0 if by_count else tolerance
+        self.by_count = by_count
+        self.caps = [float(n) for n in table.expected_count] if by_count else list(table.expected)
+        self.serving = list(table.serving_count)
+        self.expected = list(table.expected_count)
+        self.taken: set[bytes] = set()
+
+    def speed(self, peer: PeerLoad) -> float:
+        return 1.0 if self.by_count else peer.speed
+
+    def stage_noise(self, stage: int) -> float:
+        return _noise(self.tolerance, self.expected[stage])
+
+    def bottleneck(self) -> int:
+        """The weakest stage; among stages within noise of it, the one with the fewest peers."""
+        low = min(range(self.table.num_stages), key=self.caps.__getitem__)
+        tied = [s for s in range(self.table.num_stages)
+                if _indistinct(self.caps[low], self.stage_noise(low), self.caps[s], self.stage_noise(s))]
+        return min(tied, key=lambda s: (self.expected[s], s))
+
+    def donor_peer(self, stage: int, base: float):
+        """(gain, peer): the serving peer of `stage` whose move lifts the pair's minimum by most; among
+        the peers whose speed is within noise of that one's (and whose move lifts it at all), the
+        lowest peer id. None if no move lifts it."""
+        cap = self.caps[stage]
+        gains = [(min(self.speed(peer), cap - self.speed(peer) - base), peer)
+                 for peer in self.table.members[stage].values()
+                 if peer.state == SERVING and peer.peer_id not in self.taken]
+        if not gains:
+            return None
+        best, best_peer = max(gains, key=lambda gp: gp[0])
+        if best <= 0.0:
+            return None
+        alike = [(g, p) for g, p in gains
+                 if g > 0.0 and _alike(self.speed(p), self.speed(best_peer), self.tolerance)]
+        return min(alike, key=lambda gp: gp[1].peer_id)
+
+    def real_gain(self, donor: int, target: int, gain: float) -> bool:
+        """Whether the step lifts the target beyond the margin and beyond noise. When the two stages'
+        mean peer speeds are within noise of each other, their sums differ by noise as much as by
+        capacity, so peer counts decide: the donor must keep more peers than the target has."""
+        base = self.caps[target]
+        if gain <= base * self.margin:
+            return False
+        if self.expected[target] == 0:
+            return True
+        if self.alike_peers([donor, target]):
+            return self.expected[donor] - 1 > self.expected[target]
+        return True
+
+    def alike_peers(self, stages) -> bool:
+        """Whether the mean peer speeds of these (non-empty) stages are all within noise of each other."""
+        means = [(self.caps[s] / self.expected[s], self.stage_noise(s)) for s in stages if self.expected[s]]
+        if not means:
+            return False
+        low, high = min(means), max(means)
+        return _indistinct(low[0], low[1], high[0], high[1])
+
+    def step(self):
+        """The next move into the bottleneck, or None when no donor lifts it for real."""
+        target = self.bottleneck()
+        base = self.caps[target]
+        order = sorted(range(self.table.num_stages), key=lambda s: -self.caps[s])
+        third = order[min(2, len(order) - 1)]
+        reach = self.caps[third] * (1.0 - self.stage_noise(third))
+        options = []
+        for stage in order:
+            if self.caps[stage] * (1.0 + self.stage_noise(stage)) < reach:
+                continue  # not within noise of the three strongest stages
+            if stage == target or self.serving[stage] < 2 or self.caps[stage] <= base:
                 continue
-            off = abs(peer.speed - ideal)
-            if off < near or (off == near and peer.peer_id < near_peer.peer_id):
-                near, near_peer = off, peer
-        if near_peer is None:
-            continue
-        pair = base + ideal - near
-        if pair > best_pair or (pair == best_pair and best_peer and near_peer.peer_id < best_peer.peer_id):
-            best_pair, best_peer = pair, near_peer
-    return None if best_peer is None else (best_pair, best_peer)
+            found = self.donor_peer(stage, base)
+            if found is not None and self.real_gain(stage, target, found[0]):
+                options.append((found[0], stage, found[1]))
+        if not options:
+            return None
+        best = max(gain for gain, _, _ in options)
+        floor = best * (1.0 - self.tolerance) / (1.0 + self.tolerance)
+        _, stage, peer = min((o for o in options if o[0] >= floor), key=lambda o: (-self.serving[o[1]], o[1]))
+        self.taken.add(peer.peer_id)
+        self.caps[stage] -= self.speed(peer)
+        self.caps[target] += self.speed(peer)
+        self.serving[stage] -= 1
+        self.expected[stage] -= 1
+        self.expected[target] += 1
+        return Move(peer.peer_id, stage, target)
 
 
-def move_plan(table: StageTable, margin: float, max_moves: int = 256) -> SharedPlan:
+def move_plan(table: StageTable, margin: float, max_moves: int = 256, speed_tolerance: float = 0.0) -> SharedPlan:
     """Moves that, applied together, maximise the weakest stage; empty unless it rises by > margin.
 
     Greedy water-filling on expected capacity: take the weakest stage, bring it the donor peer that
-    best evens the pair, repeat while each step lifts the weakest stage by more than the margin.
+    best evens the pair, repeat while each step lifts the weakest stage by more than the margin and
+    by more than measurement noise. `speed_tolerance` is the relative error of a measured speed: 0
+    for exact speeds (the simulator's global rules), `PolicyConfig.speed_tolerance` in the daemon.
     Memoised per table version: all peers of a simulated swarm share one computation.
     """
-    key = ("plan", margin, max_moves)
+    key = ("plan", margin, max_moves, speed_tolerance)
     cached = table.memo.get(key)
     if cached is not None:
         return cached
-    caps = list(table.expected)
-    counts = list(table.serving_count)
-    before = min(caps)
-    taken: set[bytes] = set()
+    greedy = _Greedy(table, margin, speed_tolerance)
+    if min(table.expected_count) > 0 and greedy.alike_peers(range(table.num_stages)):
+        # Where every stage's peers are alike in speed to within noise, the sums differ by noise as
+        # much as by capacity (the weakest sum most of all: a minimum over noisy figures); the peer
+        # counts say what the sums would without the noise, the same in every peer's view.
+        greedy = _Greedy(table, margin, speed_tolerance, by_count=True)
+    start = min(greedy.caps)
     moves: list[Move] = []
     while len(moves) < max_moves:
-        bottleneck = min(range(table.num_stages), key=caps.__getitem__)
-        found = _best_donor(table, caps, counts, taken, bottleneck)
-        if found is None or found[0] <= caps[bottleneck] * (1.0 + margin):
+        move = greedy.step()
+        if move is None:
             break
-        peer = found[1]
-        taken.add(peer.peer_id)
-        moves.append(Move(peer.peer_id, peer.stage, bottleneck))
-        caps[peer.stage] -= peer.speed
-        caps[bottleneck] += peer.speed
-        counts[peer.stage] -= 1
-    after = min(caps)
-    if moves and after > before * (1.0 + margin):
-        shared = SharedPlan({m.peer_id: m for m in moves}, before, after)
+        moves.append(move)
+    if moves and min(greedy.caps) > start * (1.0 + margin):
+        caps = list(table.expected)
+        for move in moves:
+            speed = table.by_id[move.peer_id].speed
+            caps[move.source] -= speed
+            caps[move.target] += speed
+        before = min(table.expected)
+        shared = SharedPlan({m.peer_id: m for m in moves}, before, min(caps))
     else:
-        shared = SharedPlan({}, before, before)
+        shared = SharedPlan({}, min(table.expected), min(table.expected))
     table.memo[key] = shared
     return shared
 
 
 def plan(table: StageTable, me: bytes, now: float, state: PolicyState, config: PolicyConfig) -> Decision:
     """This peer's decision at this check: move now, wait for confirmation, or stay."""
-    shared = move_plan(table, config.margin, config.max_moves)
+    shared = move_plan(table, config.margin, config.max_moves, config.speed_tolerance)
     mine = shared.moves.get(me)
     if mine is None:
         nxt = now + config.period_s * jitter_factor(me, now, config.jitter)

@@ -29,7 +29,7 @@ class StageTable:
     """Peers grouped by stage with two running sums per stage.
 
     `serving[s]` is what stage s processes now; `expected[s]` adds the peers downloading state to join
-    it. Decisions use `expected` so that peers already on their way fill a gap only once; draining
+    it (`serving_count[s]` and `expected_count[s]` count the peers behind each sum). Decisions use `expected` so that peers already on their way fill a gap only once; draining
     peers are counted nowhere, since they take no new work for any stage.
     """
 
@@ -41,7 +41,7 @@ class StageTable:
         self.serving = [0.0] * num_stages
         self.expected = [0.0] * num_stages
         self.serving_count = [0] * num_stages
-        self._expected_count = [0] * num_stages
+        self.expected_count = [0] * num_stages
         self.by_id: dict[bytes, PeerLoad] = {}
         self.version = 0
         self.memo: dict = {}
@@ -63,7 +63,7 @@ class StageTable:
             self.serving_count[peer.stage] += 1
         if peer.state != DRAINING:
             self.expected[peer.stage] += peer.speed
-            self._expected_count[peer.stage] += 1
+            self.expected_count[peer.stage] += 1
         self._changed()
 
     def remove(self, peer_id: bytes) -> None:
@@ -80,8 +80,8 @@ class StageTable:
                 self.serving[peer.stage] = 0.0  # no float residue on an empty stage
         if peer.state != DRAINING:
             self.expected[peer.stage] -= peer.speed
-            self._expected_count[peer.stage] -= 1
-            if self._expected_count[peer.stage] == 0:
+            self.expected_count[peer.stage] -= 1
+            if self.expected_count[peer.stage] == 0:
                 self.expected[peer.stage] = 0.0
 
     def _changed(self) -> None:

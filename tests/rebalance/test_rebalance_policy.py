@@ -1,9 +1,11 @@
 """The rebalancing policy on hand-made views: pure function calls, no clock, no network."""
 
+import random
+
 import pytest
 
 from swarmd.rebalance.policy import (
-    PolicyConfig, PolicyState, choose_join_stage, jitter_factor, move_plan, plan,
+    Move, PolicyConfig, PolicyState, choose_join_stage, jitter_factor, move_plan, plan,
 )
 from swarmd.rebalance.table import DRAINING, JOINING, SERVING, PeerLoad, StageTable
 
@@ -121,7 +123,69 @@ def test_memoised_plan_is_dropped_when_the_table_changes():
     assert move_plan(table, 0.01).moves == {}
 
 
+def noisy(table, rng, noise=0.25):
+    """Another peer's view of `table`: every measured speed off by an independent factor in 1 +- noise."""
+    rows = [PeerLoad(p.peer_id, p.stage, p.speed * rng.uniform(1 - noise, 1 + noise), p.state)
+            for p in table.by_id.values()]
+    return StageTable(table.num_stages, rows)
+
+
+def shared_moves(table):
+    return move_plan(table, CONFIG.margin, CONFIG.max_moves, CONFIG.speed_tolerance).moves
+
+
+SLOW_LAST = StageTable(3, [PeerLoad(f"s0p{i}".encode(), 0, 0.4) for i in range(3)]
+                       + [PeerLoad(b"s1p0", 1, 0.4), PeerLoad(b"s2p0", 2, 0.1)])
+
+
+@pytest.mark.parametrize("swarm, movers", [
+    (table_of([3, 1]), {b"s0p0": Move(b"s0p0", 0, 1)}),
+    (SLOW_LAST, {b"s0p0": Move(b"s0p0", 0, 2)}),  # the real-daemon layout: 3/1/1, stage 2 a quarter as fast
+    (table_of([6, 2, 2]), {b"s0p0": Move(b"s0p0", 0, 1), b"s0p1": Move(b"s0p1", 0, 2)}),
+    (table_of([52, 47] + [50] * 6), {b"s0p0": Move(b"s0p0", 0, 1), b"s0p1": Move(b"s0p1", 0, 1)}),
+])
+def test_views_that_differ_by_speed_noise_name_the_same_movers(swarm, movers):
+    """Peers see equal-speed peers with independent +-25% measurement noise: every view names the movers
+    the noise-free view names, for the same targets. (The former rule, the peer nearest the ideal
+    speed, fails every case here: which peer is nearest is decided by the noise.)"""
+    rng = random.Random(6)
+    assert shared_moves(swarm) == movers
+    for _ in range(200):
+        assert shared_moves(noisy(swarm, rng)) == movers
+
+
+def test_each_peer_checking_its_own_noisy_view_moves_exactly_one():
+    """The real-daemon symptom: every peer checks, then confirms, each time on a freshly noisy view
+    (under the former rule nobody moved: the peer a check named was never the one checking)."""
+    rng = random.Random(9)
+    for _ in range(100):
+        moved = []
+        for pid in SLOW_LAST.by_id:
+            first = plan(noisy(SLOW_LAST, rng), pid, 1000.0, PolicyState(), CONFIG)
+            second = plan(noisy(SLOW_LAST, rng), pid, first.next_check_at, first.state, CONFIG)
+            if second.move_to is not None:
+                moved.append((pid, second.move_to))
+        assert moved == [(b"s0p0", 2)]
+
+
+def test_noise_on_a_balanced_swarm_moves_nobody():
+    rng = random.Random(3)
+    for sizes in ([3, 3, 3], [2, 1], [3, 2, 2], [50] * 8):
+        for _ in range(50):
+            assert shared_moves(noisy(table_of(sizes), rng)) == {}
+
+
+def test_speeds_beyond_the_tolerance_still_pick_the_best_mover():
+    rows = [PeerLoad(b"a", 0, 3.5), PeerLoad(b"b", 0, 2.5), PeerLoad(b"c", 1, 1.0)]
+    table = StageTable(2, rows)  # 6 vs 1: b gives 3.5|3.5, a gives 2.5|4.5
+    assert list(move_plan(table, 0.01, speed_tolerance=0.0).moves) == [b"b"]
+    assert list(move_plan(table, 0.01, speed_tolerance=0.1).moves) == [b"b"]
+    assert list(move_plan(table, 0.01, speed_tolerance=0.3).moves) == [b"a"]  # 40% apart: within +-30% noise
+
+
 def test_bad_config_is_refused():
+    with pytest.raises(ValueError):
+        PolicyConfig(speed_tolerance=1.0)
     with pytest.raises(ValueError):
         PolicyConfig(jitter=1.0)
     with pytest.raises(ValueError):
