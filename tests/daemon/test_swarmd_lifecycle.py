@@ -128,6 +128,11 @@ def test_sighup_reloads_the_log_level_and_a_second_signal_exits_at_once(spawn, t
     assert d.client.status()["pid"] == d.proc.pid
 
     d.proc.send_signal(signal.SIGSTOP)
+    # kill() returns before the stop takes effect; a signal sent to a still-running process would
+    # be handled on its own, one loop turn apart from the next.
+    while Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline + 30, "the daemon never stopped"
+        time.sleep(0.01)
     d.proc.send_signal(signal.SIGTERM)
     d.proc.send_signal(signal.SIGINT)
     d.proc.send_signal(signal.SIGCONT)
