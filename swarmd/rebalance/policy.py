@@ -5,11 +5,17 @@ Every peer derives the same *global* move plan from the shared view and moves on
 it: that gives exactly as many movers as the deficit needs, and two peers never jump for one gap.
 A move is taken only when the plan named this peer on two consecutive checks (hysteresis), the second
 check coming `confirm_after_s` after the first, so one noisy view never triggers a move and a real
-gap is still closed in well under a period. See docs/rebalancing.md for the rule and the evidence.
+gap is still closed in well under a period. Views are the same only up to measurement noise (each
+peer's speeds are gossiped EMAs, read at its own moment), so every choice the noise could tip —
+which stage is weakest, which donates, which peer moves, whether the gain is real — is made by a
+noise-free key among the options within `speed_tolerance` of each other: otherwise each check names
+a different peer and nobody is ever named by its own check. See docs/rebalancing.md for the rule
+and the evidence.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
@@ -90,6 +96,7 @@ def jitter_factor(peer_id: bytes, now: float, jitter: float) -> float:
     return 1.0 - jitter + 2.0 * jitter * unit
 
 
+@functools.lru_cache(maxsize=4096)
 def _noise(tolerance: float, peers: int) -> float:
     """Relative error of a figure averaged over `peers` measured speeds.
 
@@ -105,9 +112,8 @@ def _indistinct(low: float, low_noise: float, high: float, high_noise: float) ->
     return high * (1.0 - high_noise) <= low * (1.0 + low_noise)
 
 
-def _alike(a: float, b: float, noise: float) -> bool:
-    """Whether two figures, each known to within `noise`, could be the same."""
-    return _indistinct(min(a, b), noise, max(a, b), noise)
+def _peer_id(peer: PeerLoad) -> bytes:
+    return peer.peer_id
 
 
 class _Greedy:
@@ -143,21 +149,24 @@ class _Greedy:
         return min(tied, key=lambda s: (self.expected[s], s))
 
     def donor_peer(self, stage: int, base: float):
-        """(gain, peer): the serving peer of `stage` whose move lifts the pair's minimum by most; among
-        the peers whose speed is within noise of that one's (and whose move lifts it at all), the
-        lowest peer id. None if no move lifts it."""
-        cap = self.caps[stage]
-        gains = [(min(self.speed(peer), cap - self.speed(peer) - base), peer)
-                 for peer in self.table.members[stage].values()
-                 if peer.state == SERVING and peer.peer_id not in self.taken]
-        if not gains:
+        """(gain, peer): the serving peer of `stage` whose move lifts the pair's minimum by most (its
+        speed nearest half their difference, the lowest id on a tie); among the peers whose speed is
+        within noise of that one's, and whose move lifts the pair at all, the lowest peer id."""
+        taken = self.taken
+        peers = [p for p in self.table.members[stage].values() if p.state == SERVING and p.peer_id not in taken]
+        if not peers:
             return None
-        best, best_peer = max(gains, key=lambda gp: gp[0])
-        if best <= 0.0:
+        gap = self.caps[stage] - base
+        if self.by_count:
+            return (min(1.0, gap - 1.0), min(peers, key=_peer_id)) if gap > 1.0 else None
+        ideal = gap / 2.0
+        nearest = min(peers, key=lambda p: (abs(p.speed - ideal), p.peer_id))
+        if nearest.speed >= gap:
             return None
-        alike = [(g, p) for g, p in gains
-                 if g > 0.0 and _alike(self.speed(p), self.speed(best_peer), self.tolerance)]
-        return min(alike, key=lambda gp: gp[1].peer_id)
+        spread = (1.0 + self.tolerance) / (1.0 - self.tolerance)
+        low, high = nearest.speed / spread, min(nearest.speed * spread, gap)
+        chosen = min((p for p in peers if low <= p.speed < high or p is nearest), key=_peer_id)
+        return ideal - abs(chosen.speed - ideal), chosen
 
     def real_gain(self, donor: int, target: int, gain: float) -> bool:
         """Whether the step lifts the target beyond the margin and beyond noise. When the two stages'
@@ -184,26 +193,31 @@ class _Greedy:
         """The next move into the bottleneck, or None when no donor lifts it for real."""
         target = self.bottleneck()
         base = self.caps[target]
-        order = sorted(range(self.table.num_stages), key=lambda s: -self.caps[s])
+        caps = self.caps
+        order = sorted(range(self.table.num_stages), key=lambda s: -caps[s])
         third = order[min(2, len(order) - 1)]
-        reach = self.caps[third] * (1.0 - self.stage_noise(third))
-        options = []
-        for stage in order:
-            if self.caps[stage] * (1.0 + self.stage_noise(stage)) < reach:
-                continue  # not within noise of the three strongest stages
-            if stage == target or self.serving[stage] < 2 or self.caps[stage] <= base:
-                continue
+        reach = caps[third] * (1.0 - self.stage_noise(third))
+        # A stage's move gains at most half its gap to the target: visit the widest gaps first and
+        # stop once no remaining stage could come within noise of the best gain found.
+        donors = sorted((s for s in order if s != target and self.serving[s] >= 2 and caps[s] > base
+                         and caps[s] * (1.0 + self.stage_noise(s)) >= reach),  # within noise of the top three
+                        key=lambda s: -caps[s])
+        shrink = (1.0 - self.tolerance) / (1.0 + self.tolerance)
+        options, floor = [], 0.0
+        for stage in donors:
+            if (caps[stage] - base) / 2.0 < floor:
+                break
             found = self.donor_peer(stage, base)
             if found is not None and self.real_gain(stage, target, found[0]):
                 options.append((found[0], stage, found[1]))
+                floor = max(floor, found[0] * shrink)
+        options = [o for o in options if o[0] >= floor]
         if not options:
             return None
-        best = max(gain for gain, _, _ in options)
-        floor = best * (1.0 - self.tolerance) / (1.0 + self.tolerance)
-        _, stage, peer = min((o for o in options if o[0] >= floor), key=lambda o: (-self.serving[o[1]], o[1]))
+        _, stage, peer = min(options, key=lambda o: (-self.serving[o[1]], o[1]))
         self.taken.add(peer.peer_id)
-        self.caps[stage] -= self.speed(peer)
-        self.caps[target] += self.speed(peer)
+        caps[stage] -= self.speed(peer)
+        caps[target] += self.speed(peer)
         self.serving[stage] -= 1
         self.expected[stage] -= 1
         self.expected[target] += 1
