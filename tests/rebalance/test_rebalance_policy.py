@@ -156,7 +156,8 @@ def test_views_that_differ_by_speed_noise_name_the_same_movers(swarm, movers):
 
 def test_each_peer_checking_its_own_noisy_view_moves_exactly_one():
     """The real-daemon symptom: every peer checks, then confirms, each time on a freshly noisy view
-    (under the former rule nobody moved: the peer a check named was never the one checking)."""
+    (under the former rule no peer moved in 56 of these draws: the peer a check named was seldom the
+    one checking, and two moved in 4)."""
     rng = random.Random(9)
     for _ in range(100):
         moved = []
