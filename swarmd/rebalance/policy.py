@@ -199,9 +199,8 @@ class _Greedy:
         reach = caps[third] * (1.0 - self.stage_noise(third))
         # A stage's move gains at most half its gap to the target: visit the widest gaps first and
         # stop once no remaining stage could come within noise of the best gain found.
-        donors = sorted((s for s in order if s != target and self.serving[s] >= 2 and caps[s] > base
-                         and caps[s] * (1.0 + self.stage_noise(s)) >= reach),  # within noise of the top three
-                        key=lambda s: -caps[s])
+        donors = [s for s in order if s != target and self.serving[s] >= 2 and caps[s] > base
+                  and caps[s] * (1.0 + self.stage_noise(s)) >= reach]  # within noise of the top three
         shrink = (1.0 - self.tolerance) / (1.0 + self.tolerance)
         options, floor = [], 0.0
         for stage in donors:
@@ -233,6 +232,8 @@ def move_plan(table: StageTable, margin: float, max_moves: int = 256, speed_tole
     for exact speeds (the simulator's global rules), `PolicyConfig.speed_tolerance` in the daemon.
     Memoised per table version: all peers of a simulated swarm share one computation.
     """
+    if not 0 <= speed_tolerance < 1:
+        raise ValueError(f"speed_tolerance must be in [0, 1), got {speed_tolerance}")
     key = ("plan", margin, max_moves, speed_tolerance)
     cached = table.memo.get(key)
     if cached is not None:

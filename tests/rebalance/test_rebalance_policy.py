@@ -188,6 +188,8 @@ def test_bad_config_is_refused():
     with pytest.raises(ValueError):
         PolicyConfig(speed_tolerance=1.0)
     with pytest.raises(ValueError):
+        move_plan(table_of([3, 1]), 0.01, speed_tolerance=-0.1)
+    with pytest.raises(ValueError):
         PolicyConfig(jitter=1.0)
     with pytest.raises(ValueError):
         PolicyConfig(period_s=0)
