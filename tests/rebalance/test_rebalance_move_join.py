@@ -14,13 +14,14 @@ from types import SimpleNamespace
 import pytest
 
 import swarmd.jobs.serving as serving_module
+from swarmd.job.spec import OptimSpec
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.jobs.serving import Served, Serving
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage.limits import StageLimits
 
 JOB, ME = b"j" * 32, b"m" * 32
-SPEC = SimpleNamespace(pipeline=SimpleNamespace(stages=3))
+SPEC = SimpleNamespace(pipeline=SimpleNamespace(stages=3), optim=OptimSpec())
 QUICK = SimpleNamespace(sync_interval_s=0.01, progress_timeout_s=0.01)
 
 
@@ -42,6 +43,14 @@ class GatedService:
 
     async def stop(self) -> None:
         self.state = "stopped"
+
+    async def drain(self, timeout_s: float) -> bool:
+        self.state = "draining"  # holds no work: drained at once
+        return True
+
+    def undrain(self) -> None:
+        if self.state == "draining":
+            self.state = "serving"
 
     def announcement(self) -> dict:
         return {"samples_per_s": 1.0, "queue": 0, "step": self.committed, "state": self.state}
