@@ -136,7 +136,7 @@ class Serving:
             if new is not None and (job_id, to_stage) not in self.served:
                 await asyncio.shield(new.stop())
             if old.service.state == "draining":
-                old.service.state = "serving"  # behind its mates now: its sync catches up by download
+                old.service.undrain()  # behind its mates now: its sync catches up by download
                 old.announcement = self.dht.announce(key, old.announcement.value_fn)
             total = time.monotonic() - started
             self.moves.append(MoveRecord(job_id.hex(), from_stage, to_stage, drained_at - started,
