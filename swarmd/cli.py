@@ -38,12 +38,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_combinations(config: configuration.Config) -> None:
+    """Settings valid one by one may still not go together (a jitter of 1 or more); the daemon
+    refuses them as it builds its parts, and --check-config must refuse them the same way."""
+    from swarmd.jobs.rebalancing import RebalanceSettings
+
+    try:
+        RebalanceSettings.from_section(config.rebalance)
+    except ValueError as exc:
+        raise configuration.ConfigError("[rebalance]", "", str(exc)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config = configuration.load(args, os.environ)
         if args.check_config:
             configuration.load_swarm_key(config.network)  # what the daemon checks first when it starts
+            _check_combinations(config)
     except configuration.ConfigError as exc:
         print(f"swarmd: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -466,6 +466,11 @@ class RebalanceSection:
         0.01, _float_kind(0.0), "a move must raise the predicted pipeline throughput by more than this fraction",
     )
     max_moves: int = setting(256, _int_kind(1), "moves one swarm-wide plan may hold; bounds a plan's cost")
+    speed_tolerance: float = setting(
+        0.3, _float_kind(0.0),
+        "relative error assumed of one measured peer speed: peers and stages alike within it are told apart "
+        "by noise-free keys, so every peer's plan names the same mover (below 1)",
+    )
     gossip_interval_s: float = setting(
         5.0, _float_kind(0.05), "seconds between gossip rounds: load entries reach hundreds of peers in a few rounds",
     )

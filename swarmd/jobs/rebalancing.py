@@ -51,7 +51,7 @@ class RebalanceSettings:
         """Raises ValueError naming the setting when the combination is invalid (e.g. jitter >= 1)."""
         policy = PolicyConfig(period_s=section.period_s, jitter=section.jitter,
                               confirm_after_s=section.confirm_after_s, margin=section.margin,
-                              max_moves=section.max_moves)
+                              max_moves=section.max_moves, speed_tolerance=section.speed_tolerance)
         gossip = GossipConfig(period_s=section.gossip_interval_s, fanout=section.gossip_fanout,
                               call_timeout_s=section.gossip_timeout_s, members_ttl_s=section.membership_ttl_s)
         return cls(section.enabled, policy, gossip, section.drain_timeout_s)

@@ -108,6 +108,9 @@ def test_bad_file_exits_2_with_one_line_naming_file_and_key(tmp_path: Path, toml
         ([], {"SWARMD_NETWORK_LISTEN": "x"}, "SWARMD_NETWORK_LISTEN"),
         ([], {"SWARMD_NETWORK_LISTN": "x:1"}, "SWARMD_NETWORK_LISTN"),  # unknown variable
         ([], {"SWARMD_DAEMON_DRAIN_TIMEOUT_S": "soon"}, "SWARMD_DAEMON_DRAIN_TIMEOUT_S"),
+        # valid one by one, refused together, as the daemon would when it builds its rebalancer
+        ([], {"SWARMD_REBALANCE_JITTER": "1.5"}, "[rebalance]: jitter"),
+        ([], {"SWARMD_REBALANCE_SPEED_TOLERANCE": "1"}, "[rebalance]: speed_tolerance"),
     ],
 )
 def test_bad_flag_or_env_exits_2(args: list[str], env: dict[str, str], named: str) -> None:
