@@ -15,6 +15,8 @@ Other modes do not serve a stage at all; they attack one address (`--target`) of
   `FLOOD_CALLERS` concurrent loops as fast as it gets answers;
 - `spoof`: it dials the target again and again claiming the peer id of `--victim-key` (a public
   key it does not hold), and tries `stage.info` on each connection;
+- `outsider`: it dials the target of a private swarm again and again with a swarm key of its own
+  (not the swarm's), and tries `stage.info` on each connection;
 - `forge`: it stores stage announcements pointing at itself into the DHT node at the target,
   under the victim's subkey: once with the victim's public key and its own signature, once
   signed by itself (the subkey is then not the signer's); repeatedly, `FORGE_PAUSE_S` apart;
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -60,7 +63,7 @@ from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 
 CLAIMED_SAMPLES_PER_S = 1e9
 FLOOD_CALLERS = 8
-ATTACKS = ("flood", "spoof", "forge", "slowloris")
+ATTACKS = ("flood", "spoof", "outsider", "forge", "slowloris")
 FORGE_PAUSE_S = 0.05
 FORGED_ADDR = "127.0.0.1:9"  # where the forged announcements say the victim serves
 SPOOF_PAUSE_S = 0.05
@@ -226,12 +229,14 @@ async def attack(args: argparse.Namespace, job_id: bytes) -> None:
         # Our own private key behind the victim's public key: the hello claims its id, the
         # signature cannot match.
         identity = Identity(identity.private_key, victim, peer_id_of(victim))
-    pool = Pool(RpcConfig(identity=identity))
+    # An outsider of a private swarm: a key of its own, not the swarm's.
+    pool = Pool(RpcConfig(identity=identity, swarm_key=os.urandom(32) if args.mode == "outsider" else None))
     print(json.dumps({"addr": args.target, "announcement": {}, "transport_id": identity.peer_id.hex()}), flush=True)
     stop = asyncio.Event()
     work = {
         "flood": lambda: flood(pool, args.target, job_id, args.stage, stop),
         "spoof": lambda: spoof(pool, args.target, job_id, args.stage, stop),
+        "outsider": lambda: spoof(pool, args.target, job_id, args.stage, stop),  # the same: every hello refused
         "forge": lambda: forge(pool, identity, args.target, job_id, args.stage, bytes.fromhex(args.victim_key), stop),
         "slowloris": lambda: slowloris(args.target, stop),
     }[args.mode]

@@ -1,6 +1,7 @@
 """Attackers that never get past the hello, each a real process aimed at an honest stage peer
 while a trainer trains through it: one claiming another peer's id without its key (spoofed peer
-id), one holding connections open with a byte now and then (slow-loris). Each time training
+id), one dialling a private swarm with a key of its own (outsider), one holding connections open
+with a byte now and then (slow-loris). Each time training
 keeps committing whole steps, the attacker gets nothing answered, and the target's log names it."""
 
 import asyncio
@@ -61,6 +62,24 @@ async def test_a_spoofed_peer_id_is_refused_in_the_hello_while_training_goes_on(
     assert "hello with ('127.0.0.1'" in named[0]
     assert [r.step for r in victim.service.records] == list(range(STEPS))
     assert victim_id not in target.rpc.peer_calls() or target.rpc.peer_calls()[victim_id].refused == 0
+
+
+async def test_an_outsider_with_another_swarm_key_is_refused_while_training_goes_on(hostile_swarm, kit, caplog):
+    """Steps: a private swarm (every honest server, pool and the trainer share one swarm key), two
+    honest peers per stage; an `outsider` process with a key of its own dials one stage-0 peer again
+    and again and tries stage.info; a trainer runs 8 steps meanwhile.
+    Expected: every step commits whole; not one outsider call was answered, all failed in the
+    hello; the target logged each refusal with the outsider's address and the reason."""
+    caplog.set_level(logging.INFO, logger="transport.connection")
+    swarm, data, pool = await hostile_swarm(
+        2, 0, "outsider", steps=STEPS, rpc={"swarm_key": bytes(range(32))},
+        target=lambda s: [p for p in s.honest if p.stage == 0][0].addr)
+    await train_and_check(swarm, kit, data, pool)
+    named = await wait_for_log(caplog, lambda m: "swarm key" in m and "hello with ('127.0.0.1'" in m,
+                               "naming the outsider's address")
+    seen = await swarm.hostile[0].finish()
+    print("outsider saw", seen, "; target logged:", named[0])
+    assert seen["answered"] == 0 and seen["other"] == 0 and seen["refused_hello"] > 0, seen
 
 
 async def test_slowloris_connections_are_dropped_and_named_while_training_goes_on(hostile_swarm, kit, caplog):
