@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 #: Step commits the job's samples/s is measured over (a minute or so of a typical run's steps).
 RATE_WINDOW = 10
+#: Seconds a trainer still gets once its job is recorded finished: the submitter's trainer saw the
+#: last step committed, and this one, polling the same stages, is about to (its last step's event
+#: would be lost otherwise); the stages leave at their daemons' next join tick, so it is short.
+FINISH_GRACE_S = 10.0
 
 
 class Training:
@@ -85,6 +89,8 @@ class Training:
         ended = asyncio.ensure_future(job.end_seen.wait())
         try:
             await asyncio.wait({run, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done() and job.ended is not None and job.ended.state == "done":
+                await asyncio.wait({run}, timeout=FINISH_GRACE_S)
         finally:
             for task in (run, ended):
                 task.cancel()
