@@ -57,8 +57,3 @@ async def serving_peers(directory: StageDirectory, job_id: bytes, stage: int, me
     """Other peers announcing `stage` as serving, from the DHT's membership."""
     return [p for p in await directory.peers(job_id, stage) if p.peer_id != me and p.state == SERVING]
 
-
-async def drain(service, timeout_s: float) -> bool:
-    """Drain the old stage's `StageService` (see `StageService.drain`: no new work, what it holds
-    finished, mates told); False when work was still held after `timeout_s`."""
-    return await service.drain(timeout_s)

@@ -24,7 +24,7 @@ from typing import Any
 
 from swarmd.dht.errors import DHTError
 from swarmd.jobs.directory import announcement_value, stage_key
-from swarmd.jobs.moving import JOINING, MOVES_KEPT, MoveRecord, Moving, drain, serving_peers
+from swarmd.jobs.moving import JOINING, MOVES_KEPT, MoveRecord, Moving, serving_peers
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.limits import StageLimits
@@ -75,7 +75,7 @@ class Serving:
     async def move(self, job_id: bytes, from_stage: int, to_stage: int, *, drain_timeout_s: float = 30.0) -> MoveRecord:
         """Serve `to_stage` of the job instead of `from_stage` (rebalancing), losing no sample.
 
-        Drain the old stage (`swarmd.jobs.moving.drain`: no new work, queued work finished, what it
+        Drain the old stage (`StageService.drain`: no new work, queued work finished, what it
         accumulated re-sent by the trainers), join the new one by downloading a live mate's state,
         announce it, then withdraw and stop the old one. Any failure raises `MoveFailed` with the
         old stage serving again; a cancelled move is undone the same way. Skipped (`MoveFailed`)
@@ -112,7 +112,7 @@ class Serving:
         new: StageService | None = None
         try:
             old.announcement = self.dht.announce(key, old.announcement.value_fn)  # say "draining" now
-            if not await drain(old.service, drain_timeout_s):
+            if not await old.service.drain(drain_timeout_s):
                 log.warning("stage %d: work still queued after %g s of draining; moving anyway", from_stage,
                             drain_timeout_s)
             drained_at = time.monotonic()
