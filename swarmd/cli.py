@@ -9,18 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import Sequence
 
 from swarmd import config as configuration
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_OK
-
-
-def package_version() -> str:
-    try:
-        return version("swarmd")
-    except PackageNotFoundError:
-        return "unknown"
+from swarmd.version import package_version
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,7 +39,7 @@ def _check_combinations(config: configuration.Config) -> None:
     try:
         RebalanceSettings.from_section(config.rebalance)
     except ValueError as exc:
-        raise configuration.ConfigError("[rebalance]", "", str(exc)) from None
+        raise configuration.ConfigError("", str(exc), source="[rebalance]") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

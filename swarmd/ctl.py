@@ -19,9 +19,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from swarmd.plot import add_plot_parser, plot_command
 from swarmd.client import DEFAULT_TIMEOUT_S, SOCKET_ENV, Client, ControlError, DaemonUnavailable, SyncClient
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
+from swarmd.plot import plot_command
 from swarmd.swarmkey import SwarmKeyError, generate
 
 
@@ -79,8 +79,23 @@ def parser() -> argparse.ArgumentParser:
                                         "network.swarm_key_file; an existing file is never replaced.")
     _common(keygen, suppress=True)
     keygen.add_argument("path", type=Path, metavar="PATH")
-    add_plot_parser(sub)
+    _plot_flags(command("plot", "PNG of a job's loss curve beside a single-process baseline of its spec"))
     return p
+
+
+def _plot_flags(plot: argparse.ArgumentParser) -> None:
+    """`swarmctl plot` (swarmd.plot.plot_command)."""
+    plot.add_argument("job", help="job id or name (with --events: only the plot's title)")
+    plot.add_argument("-o", "--output", type=Path, required=True, metavar="FILE.png")
+    plot.add_argument("--spec", type=Path, metavar="JOB.toml",
+                      help="the job's spec, for the baseline (default: the one published in the DHT; relative "
+                           "data paths then start at the current directory)")
+    plot.add_argument("--baseline", type=Path, metavar="FILE.json",
+                      help="reuse a baseline `python -m swarmd.reference --out` wrote instead of training one")
+    plot.add_argument("--no-baseline", action="store_true", help="plot the swarm's curve alone")
+    plot.add_argument("--events", type=Path, metavar="FILE.jsonl",
+                      help="plot recorded events (`swarmctl logs JOB --json`) instead of asking the daemon")
+    plot.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads for the baseline (default 1)")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -33,11 +33,12 @@ from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
 from swarmd.job.data import GlobLimits
 from swarmd.stage.limits import StageLimits
-from swarmd.cli import package_version
+from swarmd.version import package_version
 from swarmd.config import Address, Config
 from swarmd.dht import DHTError, DHTNode, Record
 from swarmd.dht.protocol import PING
 from swarmd.dht.rpc_network import RpcNetwork
+from swarmd.errors import LocalError
 from swarmd.exitcodes import EXIT_BOOTSTRAP, EXIT_CONFIG, EXIT_FAILURE, EXIT_FORCED, EXIT_OK
 from transport.config import RpcConfig
 from transport.identity import Identity
@@ -54,7 +55,7 @@ IDENTITY_FILE = "identity.key"
 CLOSE_GRACE_S = 0.5
 
 
-class StartupError(Exception):
+class StartupError(LocalError):
     """The daemon cannot start; `status` is the exit code, the message one line for the operator."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -10,9 +10,8 @@ The swarm's curve comes from the job's `step` events (`job.logs`, docs/control-a
 recorded JSON-lines file of them (`--events`), which is how the demo and the benchmark plot a run
 after its daemons are gone. matplotlib is imported only when drawing, with the file-only Agg backend.
 
-Hooking it into swarmctl takes two lines: `add_plot_parser(sub)` in `swarmd.ctl.parser()` and
-`return plot_command(args)` for `args.command == "plot"`; `ControlError` and `DaemonUnavailable`
-propagate to swarmctl's usual handling.
+`swarmd.ctl` declares the `plot` subcommand's flags with the others and calls `plot_command(args)`;
+`ControlError` and `DaemonUnavailable` propagate to swarmctl's usual handling.
 """
 
 from __future__ import annotations
@@ -147,27 +146,6 @@ def render(curves: Sequence[LossCurve], path: Path, title: str, marks: Sequence[
 
 
 # ---------------------------------------------------------------------------------- swarmctl plot
-
-
-def add_plot_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `plot` to swarmctl's subcommands (with swarmctl's --socket/--json/--timeout after it too)."""
-    from swarmd.ctl import _common
-
-    help = "PNG of a job's loss curve beside a single-process baseline of its spec"
-    p = subparsers.add_parser("plot", help=help, description=help)
-    _common(p, suppress=True)
-    p.add_argument("job", help="job id or name (with --events: only the plot's title)")
-    p.add_argument("-o", "--output", type=Path, required=True, metavar="FILE.png")
-    p.add_argument("--spec", type=Path, metavar="JOB.toml",
-                   help="the job's spec, for the baseline (default: the one published in the DHT; relative "
-                        "data paths then start at the current directory)")
-    p.add_argument("--baseline", type=Path, metavar="FILE.json",
-                   help="reuse a baseline `python -m swarmd.reference --out` wrote instead of training one")
-    p.add_argument("--no-baseline", action="store_true", help="plot the swarm's curve alone")
-    p.add_argument("--events", type=Path, metavar="FILE.jsonl",
-                   help="plot recorded events (`swarmctl logs JOB --json`) instead of asking the daemon")
-    p.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads for the baseline (default 1)")
-    return p
 
 
 def plot_command(args: argparse.Namespace) -> int:

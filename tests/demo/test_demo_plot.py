@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarmd import ctl
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_OK
 from swarmd.job.spec import load_spec
 from swarmd.plot import (
-    add_plot_parser,
     baseline_curve,
     curve_from_events,
     final_loss,
@@ -110,10 +110,7 @@ def test_render_writes_a_png_with_both_curves(tmp_path: Path, tiny_spec: Path) -
 
 
 def plot_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="swarmctl")
-    parser.add_argument("--json", action="store_true")
-    add_plot_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["plot", *argv])
+    return ctl.parser().parse_args(["plot", *argv])
 
 
 def test_plot_command_from_recorded_events_trains_the_baseline(tmp_path: Path, tiny_spec: Path, capsys) -> None:
