@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from swarmd.config import default_socket, env_name
+from swarmd.errors import PeerError, SwarmdError
 from transport.config import RpcConfig
 from transport.connection import Connection
 from transport.errors import ConnectionLost, DeadlineExceeded, HandshakeError, RemoteError, TransportError
@@ -27,7 +28,7 @@ FOLLOW_TIMEOUT_S = 30 * 86400.0
 SOCKET_ENV = env_name("control", "socket")
 
 
-class ControlError(Exception):
+class ControlError(PeerError):
     """The daemon answered with a typed error (e.g. `not_available`, `bad_request`)."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -35,7 +36,7 @@ class ControlError(Exception):
         self.code, self.message = code, message
 
 
-class DaemonUnavailable(Exception):
+class DaemonUnavailable(SwarmdError):
     """No usable daemon at the socket: not running, not permitted, or the connection failed."""
 
 

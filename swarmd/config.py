@@ -21,19 +21,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from swarmd import swarmkey
 from swarmd.dht.config import DHTConfig
+from swarmd.errors import ConfigError
 
 DEFAULT_CONFIG_FILE = Path("/etc/swarmd/swarmd.toml")
 CONFIG_ENV = "SWARMD_CONFIG"
 ENV_PREFIX = "SWARMD_"
 SOCKET_NAME = "swarmd.sock"
-
-
-class ConfigError(Exception):
-    """A setting could not be accepted; `source` is a file path, an environment name or a flag."""
-
-    def __init__(self, source: str, key: str, message: str) -> None:
-        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
-        self.source, self.key, self.message = source, key, message
 
 
 @dataclass(frozen=True, order=True)
@@ -631,28 +624,28 @@ def read_file(path: Path) -> Layer:
         with open(path, "rb") as handle:
             data = tomllib.load(handle)
     except OSError as exc:
-        raise ConfigError(source, "", f"cannot read: {exc.strerror or exc}") from None
+        raise ConfigError("", f"cannot read: {exc.strerror or exc}", source=source) from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(source, "", f"not UTF-8 text (byte {exc.start}): TOML files are UTF-8") from None
+        raise ConfigError("", f"not UTF-8 text (byte {exc.start}): TOML files are UTF-8", source=source) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+        raise ConfigError("", f"not valid TOML: {exc}", source=source) from None
     except ValueError as exc:  # tomllib's own limits, e.g. an integer of more than 4300 digits
-        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+        raise ConfigError("", f"not valid TOML: {exc}", source=source) from None
     kinds, known_sections = _index(), {name for name, _ in sections()}
     layer: Layer = {}
     for section, table in data.items():
         if section not in known_sections:
-            raise ConfigError(source, section, "unknown section")
+            raise ConfigError(section, "unknown section", source=source)
         if not isinstance(table, dict):
-            raise ConfigError(source, section, "expected a [table]")
+            raise ConfigError(section, "expected a [table]", source=source)
         for key, value in table.items():
             kind = kinds.get((section, key))
             if kind is None:
-                raise ConfigError(source, f"{section}.{key}", "unknown key")
+                raise ConfigError(f"{section}.{key}", "unknown key", source=source)
             try:
                 layer[(section, key)] = kind.from_toml(value)
             except ValueError as exc:
-                raise ConfigError(source, f"{section}.{key}", str(exc)) from None
+                raise ConfigError(f"{section}.{key}", str(exc), source=source) from None
     return layer
 
 
@@ -665,12 +658,12 @@ def read_env(env: Mapping[str, str]) -> Layer:
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
             continue
         if name not in by_name:
-            raise ConfigError("environment", name, "unknown variable")
+            raise ConfigError(name, "unknown variable", source="environment")
         key = by_name[name]
         try:
             layer[key] = kinds[key].from_text(text)
         except ValueError as exc:
-            raise ConfigError("environment", name, str(exc)) from None
+            raise ConfigError(name, str(exc), source="environment") from None
     return layer
 
 
@@ -708,7 +701,7 @@ def read_flags(namespace: Any) -> Layer:
                 tuple(a for item in raw for a in kind.from_text(item)) if kind is ADDRESSES else kind.from_text(raw)
             )
         except ValueError as exc:
-            raise ConfigError(flag, "", str(exc)) from None
+            raise ConfigError("", str(exc), source=flag) from None
     return layer
 
 
@@ -729,7 +722,7 @@ def build(layers: Sequence[Layer], env: Mapping[str, str], config_file: Path | N
         try:
             built[section] = cls(**values)
         except (TypeError, ValueError) as exc:  # a section that checks its own fields (DHTConfig may)
-            raise ConfigError("configuration", f"[{section}]", str(exc)) from None
+            raise ConfigError(f"[{section}]", str(exc), source="configuration") from None
     return Config(**built, config_file=config_file)
 
 
@@ -749,7 +742,7 @@ def load_swarm_key(network: "NetworkSection") -> bytes | None:
     try:
         return swarmkey.load(network.swarm_key_file)
     except swarmkey.SwarmKeyError as exc:
-        raise ConfigError("network.swarm_key_file", "", str(exc)) from None
+        raise ConfigError("", str(exc), source="network.swarm_key_file") from None
 
 
 def to_toml(config: Config) -> str:

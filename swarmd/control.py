@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Protocol
 
 from swarmd.dht import DHTError, dht_key
+from swarmd.errors import LocalError
 from swarmd.jobs import JobRegistry, JobRequestError
 from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
@@ -266,7 +267,7 @@ def _group_name(gid: int) -> str:
 # Binding the socket ourselves (when systemd did not pass one)
 
 
-class ControlSocketError(Exception):
+class ControlSocketError(LocalError):
     """The control socket path cannot be used; the message says why and what to do."""
 
 

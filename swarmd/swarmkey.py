@@ -17,10 +17,12 @@ import secrets
 import stat
 from pathlib import Path
 
+from swarmd.errors import LocalError
+
 SWARM_KEY_BYTES = 32
 
 
-class SwarmKeyError(ValueError):
+class SwarmKeyError(LocalError, ValueError):
     """The key file is missing, unreadable, badly formatted or readable by others."""
 
 

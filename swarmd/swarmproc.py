@@ -39,6 +39,7 @@ from types import FrameType
 from typing import Callable, Iterable, Mapping
 
 from swarmd.client import Client, ControlError, DaemonUnavailable, SyncClient
+from swarmd.errors import SwarmdError
 
 #: Liveness and discovery tuned for a swarm that lives minutes on one machine: deaths are noticed in
 #: seconds and a newcomer is found by everyone in about a second, instead of the WAN defaults. No
@@ -62,7 +63,7 @@ _TRAMPOLINE = (
 )
 
 
-class SwarmError(Exception):
+class SwarmError(SwarmdError):
     """A daemon of the local swarm did not start, join or stop as asked; the message quotes its log."""
 
 

@@ -9,8 +9,10 @@ peer that did not produce an answer; lookups absorb them and back the peer off.
 
 from __future__ import annotations
 
+from swarmd.errors import SwarmdError
 
-class DHTError(Exception):
+
+class DHTError(SwarmdError):
     """Base of everything swarmd.dht raises."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from swarmd.errors import LocalError
 from swarmd.model.config import ConfigError
 
 
@@ -10,5 +11,5 @@ class SpecError(ConfigError):
     says which line of the TOML to fix."""
 
 
-class DataError(ValueError):
+class DataError(LocalError, ValueError):
     """The training data does not fit the spec (a token id outside the vocabulary, say)."""

@@ -15,8 +15,10 @@ import stat
 from pathlib import Path
 from typing import Iterable
 
+from swarmd.errors import LocalError
 
-class AccessDenied(PermissionError):
+
+class AccessDenied(LocalError, PermissionError):
     """`uid` may not read `path`; the message names both."""
 
 

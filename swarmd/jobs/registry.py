@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Sequence
 import msgpack
 
 from swarmd.dht import dht_key
+from swarmd.errors import LocalError
 from swarmd.jobs.access import AccessDenied, check_readable
 from swarmd.jobs.ending import JobEnd, end_key, submitters_end
 from swarmd.job import JobSpec, SpecError, resolve_sources
@@ -50,7 +51,7 @@ MAX_REFUSED_JOBS = 1024
 MAX_FORGERIES_LOGGED = 1024
 
 
-class JobRequestError(Exception):
+class JobRequestError(LocalError):
     """A job request cannot be served; `code` is the control API's typed error code."""
 
     def __init__(self, code: str, message: str) -> None:

@@ -14,20 +14,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
+from swarmd.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config value is wrong; `field` is its dotted key so the user knows which line to fix."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def under(self, prefix: str) -> "ConfigError":
-        """The same error with its key placed under a parent table."""
-        return type(self)(f"{prefix}.{self.field}" if prefix else self.field, self.message)
 
 
 def parse_table(cls: type[T], raw: Any, prefix: str = "") -> T:

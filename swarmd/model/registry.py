@@ -15,13 +15,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from swarmd.errors import LocalError
 from swarmd.model.stage import Stage
 from swarmd.model.transformer import TransformerConfig, build_transformer_stage, parse_transformer_config
 
 ENTRY_POINT_GROUP = "swarmd.architectures"
 
 
-class UnknownArchitecture(LookupError):
+class UnknownArchitecture(LocalError, LookupError):
     """No built-in architecture and no installed entry point has this name."""
 
 

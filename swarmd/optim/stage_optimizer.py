@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from swarmd.errors import SwarmdError
 from swarmd.job.spec import OptimSpec
 from swarmd.optim.lamb import Lamb
 from swarmd.optim.schedule import lr_at
@@ -23,7 +24,7 @@ from swarmd.optim.schedule import lr_at
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: keeps the scale finite for a zero norm
 
 
-class NonFiniteGradient(ArithmeticError):
+class NonFiniteGradient(SwarmdError, ArithmeticError):
     """The averaged gradient holds inf or nan; the step was not taken and parameters are unchanged."""
 
 

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
+from swarmd.errors import SwarmdError
 from swarmd.optim.stage_optimizer import StageOptimizer
 
 STATE_FORMAT = 1
 
 
-class OptimizerStateError(ValueError):
+class OptimizerStateError(SwarmdError, ValueError):
     """The state does not belong to this optimizer (name, groups, or tensor shapes differ)."""
 
 

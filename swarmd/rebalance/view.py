@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from swarmd.errors import PeerError
 from swarmd.rebalance.table import STATES, PeerLoad, StageTable
 from transport.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
 
@@ -27,7 +28,7 @@ MAX_STAGE = 65535
 MAX_QUEUE_DEPTH = 1 << 31
 
 
-class RebalanceError(Exception):
+class RebalanceError(PeerError):
     """Root of the rebalancer's errors."""
 
 

@@ -16,6 +16,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from swarmd.errors import LocalError
+
 HEADER = "time,event,peer,speed"
 JOIN = "join"
 LEAVE = "leave"
@@ -24,7 +26,7 @@ MAX_TRACE_ROWS = 1_000_000
 MAX_PEER_NAME = 128
 
 
-class TraceError(ValueError):
+class TraceError(LocalError, ValueError):
     """A trace file or a generator setting is malformed; the message names the line or the field."""
 
 

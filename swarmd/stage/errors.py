@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from transport.errors import RpcError
 
+from swarmd.errors import SwarmdError
+
 BUSY = "busy"
 BAD_INPUT = "bad_input"
 NOT_SERVING = "not_serving"
@@ -32,7 +34,7 @@ def not_ready(message: str) -> RpcError:
     return RpcError(NOT_READY, message)
 
 
-class StaleStep(Exception):
+class StaleStep(SwarmdError):
     """Work for a step this peer already committed; raised from the compute thread."""
 
     def __init__(self, step: int, committed: int) -> None:
@@ -43,6 +45,6 @@ class StaleStep(Exception):
         return RpcError(STALE_STEP, str(self))
 
 
-class RoundFailed(Exception):
+class RoundFailed(SwarmdError):
     """An all-reduce round could not complete (a mate vanished, timed out or disagreed); the
     gradients it took are put back and the round is retried with whoever is left."""

@@ -15,13 +15,14 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from swarmd.errors import SwarmdError
 from swarmd.stage.compute import Answer, Work
 from swarmd.stage.limits import StageLimits
 
 RATE_EMA = 0.2  # weight of the newest batch in the samples/s estimate: a few batches to settle
 
 
-class QueueFull(Exception):
+class QueueFull(SwarmdError):
     """The stage's queue holds `queue_size` microbatches; the call is answered `busy`."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmd.errors import SwarmdError
 from swarmd.optim import OptimizerState, StageOptimizer, export_state, import_state
 from transport.codecs import DTYPES
 from transport.rpc import Message, Pool
@@ -25,7 +26,7 @@ STATE_FORMAT = 1
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-class StateError(Exception):
+class StateError(SwarmdError):
     """A downloaded or checkpointed state does not fit this stage; nothing was changed."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from swarmd.errors import SwarmdError
 
-class TrainerError(Exception):
+
+class TrainerError(SwarmdError):
     """The trainer cannot go on with this job; the message says why and what to look at."""
 
 
