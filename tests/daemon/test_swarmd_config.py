@@ -75,6 +75,7 @@ def test_parse_address_refuses(text: str) -> None:
         c.parse_address(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("toml", "key"),
     [
@@ -100,6 +101,7 @@ def test_bad_file_exits_2_with_one_line_naming_file_and_key(tmp_path: Path, toml
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "env", "named"),
     [
@@ -119,6 +121,7 @@ def test_bad_flag_or_env_exits_2(args: list[str], env: dict[str, str], named: st
     assert len(done.stderr.splitlines()) == 1 and named in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_not_toml_and_missing_file_exit_2(tmp_path: Path) -> None:
     cfg = tmp_path / "x.toml"
     cfg.write_text("[network\n")
@@ -127,6 +130,7 @@ def test_not_toml_and_missing_file_exit_2(tmp_path: Path) -> None:
         assert done.returncode == EXIT_CONFIG and len(done.stderr.splitlines()) == 1 and str(path) in done.stderr
 
 
+@pytest.mark.slow
 def test_check_config_output_loads_back_unchanged(tmp_path: Path) -> None:
     env = {"SWARMD_CONTROL_SOCKET": str(tmp_path / "s.sock"), "SWARMD_DAEMON_STATE_DIR": str(tmp_path)}
     done = run_swarmd("--listen", "[::1]:0", "--bootstrap", "a:1", "--metrics", "127.0.0.1:9",
@@ -142,6 +146,7 @@ def test_check_config_output_loads_back_unchanged(tmp_path: Path) -> None:
         load(["--listen", "[::1]:0", "--bootstrap", "a:1", "--metrics", "127.0.0.1:9"], env), config_file=None)
 
 
+@pytest.mark.slow
 def test_version() -> None:
     done = run_swarmd("--version")
     assert done.returncode == 0 and re.fullmatch(r"swarmd \d+\.\d+\.\d+\S*\n", done.stdout)
@@ -171,6 +176,7 @@ def test_example_file_documents_every_key_and_is_valid(tmp_path: Path) -> None:
     load(["--config", str(EXAMPLE)], {})
 
 
+@pytest.mark.slow
 def test_dht_settings_are_configurable_with_their_own_kinds(tmp_path: Path) -> None:
     cfg = tmp_path / "d.toml"
     cfg.write_text('[dht]\nk = 8\nrpc_timeout = 3\nopen_namespaces = ["open", "scratch"]\n')

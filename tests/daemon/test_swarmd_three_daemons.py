@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from swarmd.exitcodes import EXIT_OK
+
+pytestmark = pytest.mark.slow
 
 #: Short liveness and discovery settings so the test sees joins and deaths in seconds.
 FAST = {"SWARMD_PEERS_PING_INTERVAL_S": "0.5", "SWARMD_PEERS_LIVENESS_WINDOW_S": "3",

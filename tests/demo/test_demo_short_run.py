@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from swarmd.plot import read_events
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_short_demo_trains_through_preemptions_and_cleans_up(tmp_path: Path, procs) -> None:

@@ -11,6 +11,8 @@ from swarmd.client import DaemonUnavailable, SyncClient
 from swarmd.exitcodes import EXIT_OK
 from swarmd.swarmproc import LocalSwarm, SwarmError, SwarmSettings
 
+pytestmark = pytest.mark.slow
+
 
 def alive_ids(peer) -> set[str]:
     return {p["peer_id"] for p in peer.client().peers() if p["alive"]}

@@ -17,6 +17,8 @@ import pytest
 PARENT = """
 import json, sys, time
 from swarmd.swarmproc import LocalSwarm, install_signal_handlers
+
+pytestmark = pytest.mark.slow
 install_signal_handlers()
 swarm = LocalSwarm(sys.argv[1])
 wait = sys.argv[2] == "ready"

@@ -12,6 +12,8 @@ import pytest
 
 from swarmd.client import Client, ControlError
 
+pytestmark = pytest.mark.slow
+
 #: Entries of the tree the slow walk looks at: enough for a walk of seconds on a loaded 2-core box.
 TREE_DIRS, TREE_FILES = 300, 1000
 

@@ -21,6 +21,8 @@ from swarmd.jobs.ending import JobEnd, end_key
 from swarmd.stage.checkpoint import checkpoint_dir, newest_checkpoint
 from transport.identity import Identity
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 
 

@@ -20,6 +20,8 @@ from swarmd.job import parse_toml
 from swarmd.reference import ReferenceTrainer
 from swarmd.stage.checkpoint import checkpoint_dir, read_checkpoint
 
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 #: Plain arithmetic to compare: no dropout, no clipping, no weight decay, no wire codec, no delay.
 EXACT = {"model": {"dropout": 0.0}, "batch": {"global_samples": 8},

@@ -14,6 +14,10 @@ import sys
 import tty
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 #: Enough steps that the job still trains while a killed server restarts (seconds: it imports
 #: torch) and rejoins: an ended job's stages are left by every daemon and forgotten.
 STEPS = 80

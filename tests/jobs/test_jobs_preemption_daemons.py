@@ -9,8 +9,12 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
+
 from swarmd.exitcodes import EXIT_OK
 from swarmd.stage.checkpoint import checkpoint_dir
+
+pytestmark = pytest.mark.slow
 
 #: Enough steps that the job is still training when the killed daemon is back (a restart imports
 #: torch: seconds), since an ended job's stages are left and a `serve` of it is refused.

@@ -9,7 +9,11 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
+
 from swarmd.exitcodes import EXIT_OK
+
+pytestmark = pytest.mark.slow
 
 STEPS = 12
 #: Stage 1's only checkpoint before the kill is step 6's, and the kill comes after step 7, so the

@@ -14,6 +14,8 @@ import pytest
 
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 
+pytestmark = pytest.mark.slow
+
 SPEC = """name = "{name}"
 seed = 3
 steps = 5

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.rebalance.gossip import METHOD, GossipConfig, GossipService, GossipStopped, OwnLoad, TokenBuckets
@@ -207,6 +208,7 @@ asyncio.run(main(bytes.fromhex(sys.argv[1]), sys.argv[2].encode(), int(sys.argv[
 """
 
 
+@pytest.mark.slow
 async def test_a_peer_frozen_by_sigstop_mid_gossip_does_not_stall_the_others():
     """Steps: 6 in-process peers and one peer in its own process gossip until all 7 views are full; then
     SIGSTOP that process (its connections stay open; it just never answers again). Expected: the 6 keep
@@ -227,13 +229,18 @@ async def test_a_peer_frozen_by_sigstop_mid_gossip_does_not_stall_the_others():
             proc.send_signal(signal.SIGSTOP)
             before = [(p.service.stats.rounds, p.service.stats.exchanges_ok, p.service.stats.exchanges_failed)
                       for p in peers]
-            await asyncio.sleep(1.5)
-            progress = [(p.service.stats.rounds - r, p.service.stats.exchanges_ok - ok,
+
+            def progress() -> list[tuple[int, int, int]]:
+                return [(p.service.stats.rounds - r, p.service.stats.exchanges_ok - ok,
                          p.service.stats.exchanges_failed - failed) for p, (r, ok, failed) in zip(peers, before)]
-            print(f"\nwhile frozen, per peer (rounds, ok, failed): {progress}")
-            assert all(rounds >= 3 and ok >= 4 for rounds, ok, _ in progress)
-            assert sum(failed for _, _, failed in progress) >= 1
-            assert all(failed <= 3 for _, _, failed in progress)
+
+            def went_on() -> bool:
+                now = progress()
+                return all(rounds >= 3 and ok >= 4 for rounds, ok, _ in now) and sum(f for *_, f in now) >= 1
+
+            await until(went_on, 15, "every peer to gossip on past the frozen one")
+            print(f"\nwhile frozen, per peer (rounds, ok, failed): {progress()}")
+            assert all(failed <= 3 for _, _, failed in progress())
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGCONT)

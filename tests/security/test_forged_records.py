@@ -6,6 +6,8 @@ import asyncio
 import logging
 import time
 
+import pytest
+
 from swarmd.dht import DHTNode
 from swarmd.dht import protocol as dht_protocol
 from swarmd.dht.records import sign_record
@@ -13,6 +15,8 @@ from swarmd.dht.rpc_network import RpcNetwork
 from swarmd.jobs.directory import DHTStageDirectory, announcement_value, stage_key
 from transport.identity import Identity
 from transport.rpc import Message, RpcConfig
+
+pytestmark = pytest.mark.slow
 
 STEPS = 8
 

@@ -7,6 +7,10 @@ keeps committing whole steps, the attacker gets nothing answered, and the target
 import asyncio
 import logging
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 STEPS = 8
 
 

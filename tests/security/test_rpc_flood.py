@@ -8,6 +8,10 @@ import asyncio
 import logging
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 #: Well below the daemon's default (1000/s, burst 256) so a Python flooder on a shared 2-core
 #: machine surely exceeds it, and still above what the fast-polling test trainer generates.
 RATE = {"rate_limit_per_s": 300.0, "rate_limit_burst": 128}

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from waiting import until
 
 from swarmd.directory import StaticDirectory
 from swarmd.stage import StageLimits
@@ -82,7 +83,7 @@ async def test_calls_parked_for_the_next_step_past_max_waiting_are_busy(kit, cli
     x = torch.randn(B, T, C)
     try:
         parked = asyncio.create_task(kit.call(client, peer, "stage.forward", STAGE, 1, 4, [x], timeout=1.0))
-        await asyncio.sleep(0.2)
+        await until(lambda: peer.service._waiting == 1, 5, "the first call to wait for a commit")
         with pytest.raises(RemoteError) as info:
             await kit.call(client, peer, "stage.forward", STAGE, 1, 5, [x], timeout=1.0)
         assert info.value.code == "busy" and "max_waiting" in info.value.message

@@ -18,6 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import nspawn  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 PORT = 7420
 SERVICE = "swarmd.service"
 #: Generous bounds for a 2-core machine running three containers; the unit's own limits are read
