@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 BENCHES ?= transport dht rebalance square_cube fuzz convergence pipeline
 BENCH_FLAGS ?=
 
-.PHONY: test test-system bench demo clean
+.PHONY: test test-fast test-deps test-system bench demo clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,8 +18,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test,bench]"
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Host tools some tests use (systemd-analyze); a test never installs anything itself.
+test-deps:
+	scripts/test-deps.sh
+
+# The whole suite; the slowest ten tests are listed at the end, so CI output shows where time goes.
+test: $(STAMP) test-deps
+	$(PYTEST) --durations=10 tests
+
+# The inner loop: no test that starts a process or a daemon (`slow`, enforced by tests/conftest.py).
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" --durations=10 tests
 
 # The unit under a real systemd: Debian containers booted with systemd-nspawn (root; see
 # docs/testing-system.md). The script installs what it needs and caches the image.

@@ -16,28 +16,40 @@ if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
 
 
-#: What a test starts when it starts swarmd code: a daemon, swarmctl, a Python helper script. A
-#: library's own helper (matplotlib's fc-list, ctypes' ldconfig) is not the test's doing.
+#: What a test starts when it starts swarmd code: a daemon, swarmctl, a Python helper script (also
+#: behind `setpriv` or `systemd-socket-activate`). A library's own helper (matplotlib's fc-list,
+#: ctypes' ldconfig) is not the test's doing.
 SWARMD_PROGRAMS = ("python", "swarmd", "swarmctl")
+
+_running: pytest.Item | None = None  # the test being set up, run or torn down
 
 
 def _runs_swarmd_code(args: object) -> bool:
-    program = args if isinstance(args, (str, bytes, Path)) else next(iter(args), "")  # type: ignore[call-overload]
-    name = Path(os.fsdecode(program).split()[0] if program else "").name
-    return name.startswith(SWARMD_PROGRAMS)
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)  # type: ignore[call-overload]
+    names = (Path(os.fsdecode(arg)).name for arg in argv if isinstance(arg, (str, bytes, os.PathLike)))
+    return any(name.startswith(SWARMD_PROGRAMS) for name in names)
 
 
-@pytest.fixture(autouse=True)
-def _a_process_makes_a_test_slow(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test that starts a process running swarmd code must carry the `slow` marker, so
-    `make test-fast` stays the quick inner loop; one that forgets fails here, naming the command."""
-    if request.node.get_closest_marker("slow") is not None:
-        return
+def pytest_configure(config: pytest.Config) -> None:
+    """A test that starts a process running swarmd code (in its body or in a fixture of any scope)
+    must carry the `slow` marker, so `make test-fast` stays the quick inner loop; one that forgets
+    fails, naming the command."""
     real_init = subprocess.Popen.__init__
 
     def guarded(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
-        if _runs_swarmd_code(args):
-            raise AssertionError(f"{request.node.nodeid} starts a process ({args!r}) but is not marked slow")
+        item = _running
+        if item is not None and item.get_closest_marker("slow") is None and _runs_swarmd_code(args):
+            raise AssertionError(f"{item.nodeid} starts a process ({args!r}) but is not marked slow")
         real_init(self, args, *rest, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    subprocess.Popen.__init__ = guarded  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    global _running
+    _running = item
+    try:
+        return (yield)
+    finally:
+        _running = None

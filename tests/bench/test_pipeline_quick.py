@@ -52,6 +52,7 @@ def live_processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_quick_run_reports_sane_figures(tmp_path):
     """1. Run the bench at its smallest size (--quick): 2 stages x 2 peers, a 6 s no-fault window, a 10 s
           fault window with a SIGKILL + restart every 4 s, wire bytes for every codec.

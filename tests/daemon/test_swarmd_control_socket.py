@@ -17,6 +17,8 @@ import pytest
 from swarmd.client import Client, DaemonUnavailable
 from swarmd.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE
 
+pytestmark = pytest.mark.slow
+
 MAX_CONNECTIONS = 3
 AS_NOBODY = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
 

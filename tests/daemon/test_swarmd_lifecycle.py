@@ -11,8 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from swarmd.client import SyncClient
 from swarmd.exitcodes import EXIT_BOOTSTRAP, EXIT_FORCED, EXIT_OK
+
+pytestmark = pytest.mark.slow
 
 WATCHDOG_USEC = 1_000_000  # pings every 0.5 s
 DRAIN_TIMEOUT_S = 5.0

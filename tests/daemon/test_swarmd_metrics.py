@@ -158,6 +158,7 @@ def wait_for(predicate, timeout: float, what: str):
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_transport_bytes_and_dht_lookups_move_on_a_real_daemon(spawn, swarmctl) -> None:
     """1. Start A and B (--bootstrap A), both with --metrics on a port of their own.
        2. Once they see each other, A's transport byte counters are above zero on both directions,
@@ -209,6 +210,7 @@ def deltas(before: dict, after: dict, name: str, reasons: tuple[str, ...]) -> di
     return {r: sample(after, name, reason=r) - sample(before, name, reason=r) for r in reasons}
 
 
+@pytest.mark.slow
 def test_security_signals_count_each_attack_on_a_real_daemon(spawn) -> None:
     """1. Start A with 20 calls/s per peer (burst 20) and at most 2 connections in their hello per
           source host. Every reason of both closed sets is a series from the first scrape on, and

@@ -98,6 +98,7 @@ conn.close()
 """
 
 
+@pytest.mark.slow
 def test_listen_fds_takes_the_socket_systemd_socket_activate_passes(tmp_path: Path) -> None:
     """systemd-socket-activate binds the socket and execs the child with LISTEN_FDS=1 and its pid
     in LISTEN_PID; the child must find the listener on fd 3 and serve on it."""

@@ -20,6 +20,8 @@ from transport.errors import RemoteError
 from transport.identity import Identity
 from transport.rpc import Message, Pool, RpcConfig
 
+pytestmark = pytest.mark.slow
+
 FAST = {"SWARMD_PEERS_PING_INTERVAL_S": "0.5", "SWARMD_PEERS_LIVENESS_WINDOW_S": "5",
         "SWARMD_PEERS_DISCOVERY_INTERVAL_S": "1", "SWARMD_NETWORK_BOOTSTRAP_RETRY_INITIAL_S": "0.3",
         "SWARMD_NETWORK_BOOTSTRAP_RETRY_MAX_S": "1", "SWARMD_JOBS_SERVE": "none"}

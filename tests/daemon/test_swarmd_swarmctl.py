@@ -36,6 +36,7 @@ def run_ctl(capsys, *args: str) -> tuple[int, str, str]:
     return status, out, err
 
 
+@pytest.mark.slow
 def test_status_json_from_the_console_script(daemon, swarmctl) -> None:
     done = swarmctl("--socket", str(daemon.socket), "status", "--json")
     assert done.returncode == EXIT_OK and done.stderr == ""
@@ -45,6 +46,7 @@ def test_status_json_from_the_console_script(daemon, swarmctl) -> None:
     assert status["bootstrap"]["state"] == "first node of a new swarm" and status["draining"] is False
 
 
+@pytest.mark.slow
 def test_status_text_and_peers(daemon, capsys) -> None:
     status, out, err = run_ctl(capsys, "--socket", str(daemon.socket), "status")
     assert status == EXIT_OK and err == "" and out.startswith("peer id    ")
@@ -98,6 +100,7 @@ def test_job_text_names_banned_peers_and_outliers() -> None:
     assert "banned" not in quiet and "outliers" not in quiet
 
 
+@pytest.mark.slow
 def test_bad_spec_file_is_a_usage_error(daemon, capsys, tmp_path) -> None:
     spec = tmp_path / "bad.toml"
     spec.write_text("name = \n")
@@ -112,6 +115,7 @@ def test_missing_daemon_is_exit_4(capsys, tmp_path) -> None:
     assert status == EXIT_UNAVAILABLE and out == "" and "no daemon socket" in err
 
 
+@pytest.mark.slow
 def test_dht_get_shows_a_record_a_peer_stored(daemon, capsys) -> None:
     """A peer (this test, with its own identity, over a real TCP connection) stores a signed record
     on the daemon with the DHT's store RPC; `swarmctl dht get` then shows it."""
@@ -138,6 +142,7 @@ def test_dht_get_shows_a_record_a_peer_stored(daemon, capsys) -> None:
     assert status == EXIT_OK and out.strip() == "(no live records)"
 
 
+@pytest.mark.slow
 def test_metrics_count_control_calls(daemon) -> None:
     daemon.client.status()
     address = daemon.client.status()["metrics"]
@@ -149,6 +154,7 @@ def test_metrics_count_control_calls(daemon) -> None:
     assert families["swarmd_dht_contacts"].samples[0].value == 0
 
 
+@pytest.mark.slow
 def test_drain_stops_the_daemon_cleanly(daemon, swarmctl) -> None:
     """Last in this module: `swarmctl drain` answers, then the daemon exits 0 and removes its socket."""
     done = swarmctl("--socket", str(daemon.socket), "drain")

@@ -34,6 +34,7 @@ def test_bad_flags_are_spec_errors_naming_the_field(argv, field) -> None:
     assert err.value.field == field
 
 
+@pytest.mark.slow
 def test_a_bad_spec_file_exits_2_and_starts_nothing(tmp_path: Path, procs) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("name = 'x'\nsteps = [\n")

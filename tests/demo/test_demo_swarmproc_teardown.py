@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 PARENT = """
 import json, sys, time
 from swarmd.swarmproc import LocalSwarm, install_signal_handlers
-
-pytestmark = pytest.mark.slow
 install_signal_handlers()
 swarm = LocalSwarm(sys.argv[1])
 wait = sys.argv[2] == "ready"

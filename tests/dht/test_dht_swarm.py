@@ -41,7 +41,7 @@ async def read_all(swarm, clock, keys, alive, rng, latencies=None):
     return found / len(keys), percentile(latencies, 0.99), sum(hops) / len(hops), sum(rpcs) / len(rpcs)
 
 
-@pytest.mark.parametrize("n,n_keys", [(100, 100), (300, 100), (1000, 50)])
+@pytest.mark.parametrize("n,n_keys", [(100, 100), (300, 100), pytest.param(1000, 50, marks=pytest.mark.slow)])
 def test_lookups_at_scale_with_10_and_30_percent_killed(n, n_keys):
     """1. build n nodes; 2. n_keys random writers store one record each; 3. every key is read by a
     random node (all found) and find_nearest equals brute force; 4. kill 10%, then 30% of the

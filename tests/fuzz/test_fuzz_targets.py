@@ -4,6 +4,8 @@ structured near-misses and random bytes. Each target's docstring in fuzz_targets
 and which documented errors may come out; a spec or config that parses must round-trip.
 
 Crash, hang and over-allocation are defined in fuzz_oracle (docs/fuzzing.md); none is tolerated.
+About a minute of CPU for all targets, so `slow`: `make test-fast` keeps only the recorded
+reproducers (test_fuzz_fixed_bugs.py) and the oracle's own tests.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fuzz_strategies import CI_SETTINGS, inputs_for
 from fuzz_targets import TARGETS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TARGETS))
 @CI_SETTINGS
 @given(draw=st.data())

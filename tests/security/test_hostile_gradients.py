@@ -49,6 +49,7 @@ def test_the_aggregate_setting_is_checked():
         StageLimits(clip_tau=0)
 
 
+@pytest.mark.slow
 async def test_an_outlier_peer_is_clipped_and_reported_while_training_goes_on(hostile_swarm, kit):
     """Steps: stage 0 = 2 honest peers + an `outlier` process (its gradient sums × 1e3 before the
     all-reduce), every stage all-reducing with centered_clip (τ 10); 6 steps. Expected: every

@@ -5,6 +5,7 @@ throughput liar (routing uses only what the trainer measured)."""
 import asyncio
 import math
 
+import pytest
 import torch
 
 from swarmd.reference import ReferenceTrainer
@@ -18,6 +19,7 @@ def losses(events):
     return [e.global_loss for e in events]
 
 
+@pytest.mark.slow
 async def test_garbage_forwards_are_outvoted_and_the_culprit_banned(hostile_swarm, kit):
     """Steps: stage 0 = 2 honest peers + a `garbage` process (random activations of the right
     shape), stage 1 = 2 honest; the trainer verifies every forward (verify_fraction 1); 4 steps.
@@ -39,6 +41,7 @@ async def test_garbage_forwards_are_outvoted_and_the_culprit_banned(hostile_swar
     assert all(b.stage == 0 and "outvoted" in b.reason for b in banned), banned
 
 
+@pytest.mark.slow
 async def test_nan_input_gradients_ban_the_peer_and_training_goes_on(hostile_swarm, kit):
     """Steps: stage 1 (last) = 2 honest + a `nan` process (NaN input gradients, NaN gradient sums
     to the all-reduce), stages all-reducing with centered_clip; 4 steps. Expected: every step
@@ -77,6 +80,7 @@ class CountingPool(Pool):
         return await super().call(addr, method, message, **kw)
 
 
+@pytest.mark.slow
 async def test_a_throughput_liar_is_routed_by_its_measured_speed_not_its_claim(hostile_swarm, kit):
     """Steps: stage 0 = 1 honest peer + a `liar` process (claims 1e9 samples/s, sleeps 50 ms per
     forward), stage 1 = 1 honest; 4 steps. Expected: the liar's claim is visible (announcement

@@ -7,6 +7,10 @@ import asyncio
 import json
 import math
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 STEPS = 12
 OUTLIER_STEPS = 20  # enough that the outlier reports are read while the stages still serve the job
 

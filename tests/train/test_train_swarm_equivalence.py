@@ -4,8 +4,12 @@ against the single-process reference trainer."""
 import asyncio
 import math
 
+import pytest
+
 from swarmd.reference import ReferenceTrainer
 from swarmd.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
 
 
 def global_losses(events, global_samples):

@@ -4,6 +4,7 @@ while, a peer that answers garbage. Training goes on, nothing hangs, no step com
 import asyncio
 import dataclasses
 
+import pytest
 import torch
 
 from swarmd.directory import StagePeer
@@ -12,6 +13,8 @@ from swarmd.train.events import StatusEvent, StepEvent
 from swarmd.train.trainer import Trainer
 from transport.errors import RpcError
 from transport.rpc import Message, Router, RpcServer
+
+pytestmark = pytest.mark.slow
 
 
 def make_trainers(spec, data, swarm_, pools, kit, shards=2, events=None):

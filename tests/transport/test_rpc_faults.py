@@ -93,6 +93,7 @@ def server_process():
             proc.stop()
 
 
+@pytest.mark.slow
 async def test_server_killed_mid_stream_fails_the_caller_with_connection_lost(server_process):
     """Steps: stream from a server process; after a few items SIGKILL it. Expected: the consumer's
     next item raises ConnectionLost well within the stream's deadline."""
@@ -110,6 +111,7 @@ async def test_server_killed_mid_stream_fails_the_caller_with_connection_lost(se
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_restarted_server_on_the_same_port_is_reached_through_the_pool(server_process):
     first = server_process()
     pool = Pool(RpcConfig())
@@ -129,6 +131,7 @@ async def test_restarted_server_on_the_same_port_is_reached_through_the_pool(ser
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_heartbeat_detects_a_stopped_peer(server_process):
     """Steps: connect with a 0.2 s heartbeat and 1 s silence limit, SIGSTOP the server, make a call
     with a long deadline. Expected: ConnectionLost (not DeadlineExceeded) after about 1 s."""
@@ -145,6 +148,7 @@ async def test_heartbeat_detects_a_stopped_peer(server_process):
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_sender_memory_stays_within_the_inflight_limit_when_the_peer_stops_reading(server_process):
     """Steps: limit in-flight payload to 8 MiB; SIGSTOP the server; start 40 calls of 2 MiB each.
     Expected: what the connection holds for sending stays under the limit plus the transport's
@@ -210,6 +214,7 @@ async def _recv_or_reset(loop, sock) -> bytes:
         return b""
 
 
+@pytest.mark.slow
 async def test_a_stopped_peer_costs_a_caller_its_deadline_and_the_pool_its_close_timeout(server_process):
     """Steps: SIGSTOP the server; make a small call with a 0.3 s deadline, then start a 64 MiB call
     that fills every buffer on the way; close the pool. Expected: DeadlineExceeded for the small

@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
-from netns_link import MARKS, REPO, netns  # noqa: E402
+import pytest
+from netns_link import MARKS, REPO, netns
 
-pytestmark = MARKS
+pytestmark = [*MARKS, pytest.mark.slow]
 
 SERVER = r"""
 import asyncio, sys

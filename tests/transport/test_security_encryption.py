@@ -5,8 +5,6 @@ closes the connection with a SealError, and a side that will not encrypt is refu
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +17,7 @@ from transport.identity import Identity
 from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 from transport.seal import Opener, Sealer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
-from tcp_relay import Relay  # noqa: E402
+from tcp_relay import Relay
 
 torch.set_num_threads(1)
 

@@ -9,8 +9,6 @@ with encryption on (sealed records are counted as they leave), and a refused hel
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,7 @@ import torch
 from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 from transport.traffic import Traffic
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
-from tcp_relay import Relay  # noqa: E402
+from tcp_relay import Relay
 
 torch.set_num_threads(1)
 
