@@ -1,82 +1,55 @@
-"""One RPC connection over a stream socket (TCP or Unix): a thin asyncio shell around the sans-IO
-frame decoder and hello handshake.
+"""One RPC connection over a stream socket (TCP or Unix): the asyncio shell around `RpcProtocol`.
 
-Bytes arrive in `data_received`, go through `FrameDecoder`, and each whole frame is dispatched at
-once: a reply resolves its caller's future, a request starts a handler task, a cancel cancels one.
+The rules (hello sequence, frame kinds per role, ids, which answer fits which call, cancel and
+goaway) live in `transport.protocol` and are tested on bytes alone; this shell feeds it the socket's
+bytes, acts on its events, and owns what needs a loop: the writer, handler tasks, tensor encoding
+(offloaded to a thread past a size), the heartbeat, flow control and closing.
+
 One writer task drains the `Outbox` (control frames first, then calls round-robin, one chunk each)
 and waits whenever the transport's buffer is full, so the kernel's `TCP_NOTSENT_LOWAT` and our
-write-buffer limit keep bulk data queued where a small frame can still overtake it.
-
-Calls go one way: the initiator (the side that dialled) sends requests and the acceptor serves
-them with its `Router`; two peers that call each other hold one connection per direction. Anything
-a peer does wrong is a ProtocolError that aborts this one connection; every outstanding call then
-fails with ConnectionLost.
+write-buffer limit keep bulk data queued where a small frame can still overtake it. Anything a peer
+does wrong aborts this one connection; every outstanding call then fails with ConnectionLost.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import math
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import sockopts
+from . import payload, sockopts
+from .calls import Mailbox, StreamCall
 from .config import RpcConfig
 from .errors import (
     ConnectionLost,
     DeadlineExceeded,
     HandshakeError,
-    LocalProtocolError,
     MalformedFrame,
     ProtocolError,
     RemoteError,
     RpcError,
 )
 from .gate import HelloGate, source_of
-from .handshake import MAX_HELLO_BYTES, Handshake
-from .limits import LENGTH_ENTRY_BYTES, PRELUDE_BYTES, KiB, Limits
+from .handshake import Handshake
 from .message import Message, RemoteInfo, Request, Router
 from .outbox import Budget, Outbox, payload_bytes
+from .payload import CODE_BAD_REPLY
+from .protocol import HELLO_LIMITS, Admit, Answer, Cancelled, GoingAway, Incoming, PeerRefused, Ready, RpcProtocol, Send
 from .ratelimit import RateLimiter
-from .seal import Opener, Sealer
+from .seal import Sealer
 from .tasks import TaskSet
-from .wire import ID, PRELUDE, VERSION, Frame, FrameDecoder, Kind, Piece, encode_frame, encode_message
+from .wire import ID, VERSION, Frame, Kind, Piece, encode_frame, encode_message
 
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["Admit", "CODE_BAD_REPLY", "Connection", "HELLO_LIMITS", "StreamCall"]
+
 log = logging.getLogger(__name__)
 
-Admit = Callable[[RemoteInfo], "str | None"]
-
-MIN_PEER_CHUNK_BYTES = 16 * KiB
-"""A peer asking for smaller chunks would make us spend a frame header and a loop turn per few
-bytes of a 100 MB tensor; we refuse its hello instead."""
 UNDELIVERED_OVERHEAD_BYTES = 256
 """Counted per queued stream item on top of its payload, so empty items cannot pile up for free."""
-
-HELLO_LIMITS = Limits(
-    max_header_bytes=2 * MAX_HELLO_BYTES,
-    max_buffers_per_frame=0,
-    max_buffer_bytes=0,
-    max_message_bytes=0,
-    max_chunk_bytes=1,
-    max_frame_bytes=PRELUDE_BYTES + 2 * MAX_HELLO_BYTES + 1,
-    max_inflight_bytes=0,
-    max_str_len=MAX_HELLO_BYTES,
-    max_bin_len=MAX_HELLO_BYTES,
-    max_array_len=16,
-    max_map_len=16,
-    max_tensor_elements=0,
-    max_decompressed_bytes=0,
-)
-"""What an unproven peer may make us parse: hello frames only, no payload buffers, a few KiB. The
-full limits apply from the welcome on, so a stranger cannot make us reserve a 512 MiB message."""
-HANDSHAKE_REASON_CHARS = 200
-"""A refusal's reason is for the peer's logs; it is cut to this length (it must fit any header)."""
 CLOSE_POLL_S = 0.01
 """How often a closing connection looks whether its queue has drained (closing is rare)."""
 
@@ -87,113 +60,42 @@ CODE_DEADLINE = "deadline_exceeded"
 CODE_OVERLOADED = "overloaded"
 CODE_GOING_AWAY = "going_away"
 CODE_CANCELLED = "cancelled"
-CODE_BAD_REPLY = "bad_reply"
 CODE_RATE_LIMITED = "rate_limited"
-
-
-class _Call:
-    """A call we made, waiting for its answer frames (one for unary, many for a stream)."""
-
-    __slots__ = ("stream", "sent", "frames", "waiter", "error", "done")
-
-    def __init__(self, stream: bool) -> None:
-        self.stream = stream
-        self.sent = False
-        self.frames: deque[Frame] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.error: BaseException | None = None
-        self.done = False  # the final frame (RESPONSE, STREAM_END or ERROR) arrived
-
-    def push(self, frame: Frame) -> None:
-        self.frames.append(frame)
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self._wake()
-
-    async def next(self) -> Frame:
-        while not self.frames:
-            if self.error is not None:
-                raise self.error
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        return self.frames.popleft()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
 
 
 class Connection(asyncio.Protocol):
     """Use `await Connection.open(...)` (client) or let `RpcServer` create it (server side)."""
 
-    def __init__(
-        self,
-        config: RpcConfig,
-        *,
-        initiator: bool,
-        router: Router | None = None,
-        admit: Admit | None = None,
-        on_closed: Callable[["Connection"], None] | None = None,
-        gate: HelloGate | None = None,
-        limiter: RateLimiter | None = None,
-    ) -> None:
-        self._config = config
-        self._gate = gate
+    def __init__(self, config: RpcConfig, *, initiator: bool, router: Router | None = None,
+                 admit: Admit | None = None, on_closed: Callable[["Connection"], None] | None = None,
+                 gate: HelloGate | None = None, limiter: RateLimiter | None = None) -> None:
+        self._config, self._router, self._on_closed = config, router, on_closed
+        self._gate, self._limiter = gate, limiter
         self._gate_source: str | None = None  # set while we hold a slot of the gate
-        self._limiter = limiter
         self._rate_key: object = None
-        self._initiator = initiator
-        self._router = router
-        self._admit = admit
-        self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
-        self._decoder = FrameDecoder(HELLO_LIMITS)
-        self._send_limits: Limits = config.limits
-        self._handshake = Handshake(
-            initiator=initiator,
-            version=VERSION,
-            identity=config.identity,
-            swarm_key=config.swarm_key,
-            limits=config.limits.as_dict(),
-            app=config.app,
-            encrypt=config.encrypt,
-            encrypt_setting=config.encrypt_setting,
-        )
-        self._keys: tuple[bytes, bytes] | None = None  # (send, receive) once an encrypted hello is proven
-        self._opener: Opener | None = None  # set from the welcome on when encrypting
+        handshake = Handshake(initiator=initiator, version=VERSION, identity=config.identity,
+                              swarm_key=config.swarm_key, limits=config.limits.as_dict(), app=config.app,
+                              encrypt=config.encrypt, encrypt_setting=config.encrypt_setting)
+        self._proto = RpcProtocol(handshake, config.limits, initiator=initiator, encrypt=config.encrypt, admit=admit)
         # How we write a frame: the transport's writelines, or a Sealer's once the hello is done.
         self._writelines: Callable[[list[Piece]], None] = lambda frame: None
-        self._hello_left = 0  # encrypting, in the hello: bytes left of the hello frame being read
-        self._hello_prelude = bytearray()
-        self._hello_received = False
         self._ready: asyncio.Future[RemoteInfo] = self._loop.create_future()
         self._closed: asyncio.Future[None] = self._loop.create_future()
         self._transport: asyncio.Transport | None = None
-        self._address: Any = None
-        self._peercred: tuple[int, int, int] | None = None
         self._tasks = TaskSet("connection")
         self._outbox = Outbox()
         self._budget = Budget(config.limits.max_inflight_bytes)
         self._writable = asyncio.Event()
         self._writable.set()
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, Mailbox] = {}
         self._handlers: dict[int, asyncio.Task] = {}
-        self._ids = itertools.count(1)
         self._call_slots = asyncio.Semaphore(config.max_pending_calls)
-        self._error: BaseException | None = None
-        self._going_away = False
         self._last_rx = self._last_tx = self._loop.time()
         self._undelivered = 0
         self._reading_paused = False
         self._handshake_timer: asyncio.TimerHandle | None = None
         self.remote: RemoteInfo | None = None
-
-    # ------------------------------------------------------------------------------- opening
 
     @classmethod
     async def open(cls, address: Any, config: RpcConfig, on_closed=None) -> "Connection":
@@ -222,7 +124,11 @@ class Connection(asyncio.Protocol):
 
     @property
     def is_open(self) -> bool:
-        return self._error is None and not self._going_away
+        return self._proto.closed is None and not self._proto.going_away
+
+    @property
+    def _address(self) -> Any:
+        return self._proto.address
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """The transport's extra info ("socket", "peername", ...), for diagnostics and tests."""
@@ -243,8 +149,8 @@ class Connection(asyncio.Protocol):
         if sockopts.is_tcp(sock):
             sockopts.apply_tcp_options(sock, self._config.socket)
         elif sock is not None:
-            self._peercred = sockopts.peercred(sock)
-        self._address = transport.get_extra_info("peername")
+            self._proto.peercred = sockopts.peercred(sock)
+        self._proto.address = transport.get_extra_info("peername")
         if self._gate is not None:
             source = source_of(self._address)
             reason = self._gate.enter(source)
@@ -257,7 +163,7 @@ class Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=self._config.write_buffer_bytes)
         self._writelines = self._socket_writelines()
         self._handshake_timer = self._loop.call_later(self._config.handshake_timeout_s, self._hello_overdue)
-        self._send_control(encode_frame(Kind.HELLO, {"hello": self._handshake.hello_bytes()}))
+        self._send_control(self._proto.hello_frame())
         self._tasks.spawn(self._write_loop(), "writer")
 
     def _hello_overdue(self) -> None:
@@ -276,12 +182,10 @@ class Connection(asyncio.Protocol):
         if self._config.traffic is not None:
             self._config.traffic.received_bytes += len(data)
         try:
-            if self._opener is not None:
-                self._feed(self._opener.open(data))
-            elif self._config.encrypt:
-                self._feed_hello(data)
-            else:
-                self._feed(data)
+            for event in self._proto.receive_data(data):
+                if self._proto.closed is not None:
+                    return
+                self._on_event(event)
         except HandshakeError as exc:
             log.info("hello with %s failed: %s", self._address, exc)
             self._refuse(exc)
@@ -292,37 +196,23 @@ class Connection(asyncio.Protocol):
             log.exception("closing connection from %s after an internal error", self._address)
             self.abort(ConnectionLost(f"internal error: {type(exc).__name__}: {exc}"))
 
-    def _feed(self, data: bytes | memoryview) -> None:
-        self._decoder.feed(data)
-        while (frame := self._decoder.next_frame()) is not None:
-            if self._error is not None:
-                return
-            if self._ready.done():
-                self._dispatch(frame)
-            else:
-                self._on_handshake_frame(frame)
-
-    def _feed_hello(self, data: bytes) -> None:
-        """Encrypting: hand the hello decoder one hello frame at a time, so that the bytes after
-        the last one (sealed records the peer sent right after its welcome) reach the Opener
-        instead of being parsed as plain frames. A hello frame has no payload, so its prelude
-        says where it ends; the decoder still checks that prelude before we wait for more."""
-        view = memoryview(data)
-        while view and self._opener is None and self._error is None:
-            if self._hello_left == 0:
-                piece = view[: PRELUDE_BYTES - len(self._hello_prelude)]
-                self._hello_prelude += piece
-                if len(self._hello_prelude) == PRELUDE_BYTES:
-                    *_, header_len, count = PRELUDE.unpack(self._hello_prelude)
-                    self._hello_left = header_len + LENGTH_ENTRY_BYTES * count
-                    self._hello_prelude.clear()
-            else:
-                piece = view[: self._hello_left]
-                self._hello_left -= len(piece)
-            view = view[len(piece):]
-            self._feed(piece)
-        if view and self._opener is not None:
-            self._feed(self._opener.open(view))
+    def _on_event(self, event: object) -> None:
+        if isinstance(event, Answer):
+            self._on_answer(event.rid, event.frame)
+        elif isinstance(event, Send):
+            self._send_control(event.frame)
+        elif isinstance(event, Incoming):
+            self._on_request(event)
+        elif isinstance(event, Cancelled):
+            task = self._handlers.get(event.rid)  # None: refused at once, nothing runs
+            if task is not None:
+                task.cancel("the caller cancelled")
+        elif isinstance(event, Ready):
+            self._become_ready(event)
+        elif isinstance(event, PeerRefused):
+            self.abort(HandshakeError(f"the peer refused the hello: {event.reason}", "refused_by_peer"))
+        else:
+            assert isinstance(event, GoingAway)
 
     def eof_received(self) -> bool:
         self.abort(ConnectionLost("the peer closed the connection"))
@@ -339,155 +229,53 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._writable.set()
 
-    # ------------------------------------------------------------------------------ handshake
-
-    def _on_handshake_frame(self, frame: Frame) -> None:
-        if frame.kind is not Kind.HELLO:
-            raise HandshakeError(f"peer sent {frame.kind.name} before the hello finished")
-        header = frame.header
-        if "hello" in header and not self._hello_received:
-            self._send_control(encode_frame(Kind.HELLO, {"proof": self._receive_hello(header["hello"])}))
-        elif "proof" in header and self._hello_received and self.remote is None:
-            self._receive_proof(header["proof"])
-        elif "welcome" in header and self._initiator and self.remote is not None:
-            self._become_ready()
-        elif "refused" in header:
-            self.abort(HandshakeError(f"the peer refused the hello: {header['refused']}", "refused_by_peer"))
-        else:
-            raise HandshakeError(f"unexpected hello message {sorted(header)}")
-
-    def _receive_hello(self, raw: object) -> bytes:
-        if not isinstance(raw, bytes):
-            raise HandshakeError("hello body is not bytes")
-        proof = self._handshake.receive_hello(raw)
-        self._hello_received = True
-        return proof
-
-    def _receive_proof(self, raw: object) -> None:
-        if not isinstance(raw, bytes):
-            raise HandshakeError("proof body is not bytes")
-        peer = self._handshake.receive_proof(raw)
-        if peer.send_key is not None and peer.recv_key is not None:
-            self._keys = (peer.send_key, peer.recv_key)
-        try:
-            theirs = Limits.from_dict(peer.hello.limits)
-        except MalformedFrame as exc:
-            raise HandshakeError(str(exc)) from None
-        if theirs.max_chunk_bytes < MIN_PEER_CHUNK_BYTES:
-            raise HandshakeError(f"peer wants {theirs.max_chunk_bytes}-byte chunks, below {MIN_PEER_CHUNK_BYTES}",
-                                 "incompatible")
-        self._send_limits = self._config.limits.meet(theirs)
-        self._budget.capacity = self._send_limits.max_inflight_bytes
-        self.remote = RemoteInfo(
-            peer_id=peer.peer_id,
-            public_key=peer.public_key,
-            app=peer.hello.app,
-            address=self._address,
-            peercred=self._peercred,
-        )
-        if self._initiator:
-            return  # wait for the server's welcome
-        try:
-            reason = self._admit(self.remote) if self._admit is not None else None
-        except Exception:
-            log.exception("admission hook failed for %s", self._address)
-            reason = "the admission check failed"
-        if reason is not None:
-            raise HandshakeError(f"admission refused: {reason}", "admission")
-        self._send_control(encode_frame(Kind.HELLO, {"welcome": True}))
-        self._become_ready()
-
-    def _become_ready(self) -> None:
+    def _become_ready(self, ready: Ready) -> None:
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         self._leave_gate()
-        # Nobody sends anything but hellos before the welcome, so the strict decoder holds nothing
-        # more from an honest peer; a frame still waiting in it was sent out of turn.
-        if self._decoder.next_frame() is not None:
-            raise HandshakeError("peer sent frames before the hello finished")
-        self._decoder = FrameDecoder(self._config.limits)
-        if self._keys is not None:
+        if ready.keys is not None:
             # Every hello frame was written at once (the outbox is empty during the hello, as its few
             # KiB never fill the write buffer), so from here on each frame is sealed, in order.
-            send_key, recv_key = self._keys
             assert self._transport is not None and not self._outbox
-            self._writelines = Sealer(send_key, self._socket_writelines()).writelines
-            self._opener = Opener(recv_key, self._config.limits.max_frame_bytes)
-        assert self.remote is not None
+            self._writelines = Sealer(ready.keys[0], self._socket_writelines()).writelines
+        self._budget.capacity = self._proto.send_limits.max_inflight_bytes
+        self.remote = ready.remote
         self._rate_key = self.remote.peer_id or ("source", source_of(self._address))
         self._ready.set_result(self.remote)
         self._tasks.spawn(self._heartbeat(), "heartbeat")
 
-    # ------------------------------------------------------------------------------- dispatch
+    # --------------------------------------------------------------------------- server side
 
-    def _dispatch(self, frame: Frame) -> None:
-        kind, header = frame.kind, frame.header
-        if kind is Kind.PING:
-            self._send_control(encode_frame(Kind.PONG, {}))
-        elif kind is Kind.PONG:
-            pass
-        elif kind is Kind.GOAWAY:
-            self._going_away = True
-        elif self._initiator and kind in (Kind.RESPONSE, Kind.STREAM_ITEM, Kind.STREAM_END, Kind.ERROR):
-            self._on_answer(_frame_id(header), frame)
-        elif not self._initiator and kind is Kind.REQUEST:
-            self._on_request(_frame_id(header), frame)
-        elif not self._initiator and kind is Kind.CANCEL:
-            task = self._handlers.get(_frame_id(header))
-            if task is not None:
-                task.cancel("the caller cancelled")
-        else:
-            raise MalformedFrame(f"{kind.name} is not something the {self._role} side receives")
-
-    @property
-    def _role(self) -> str:
-        return "calling" if self._initiator else "serving"
-
-    def _on_answer(self, rid: int, frame: Frame) -> None:
-        call = self._calls.get(rid)
-        if call is None or call.done:
-            return  # the call was given up on; its late answer is dropped
-        if frame.kind is not Kind.ERROR and call.stream != (frame.kind in (Kind.STREAM_ITEM, Kind.STREAM_END)):
-            raise MalformedFrame(f"{frame.kind.name} does not answer a {'stream' if call.stream else 'unary'} call")
-        if frame.kind is Kind.STREAM_ITEM:
-            self._account_undelivered(_frame_bytes(frame))
-        else:
-            call.done = True
-        call.push(frame)
-
-    def _on_request(self, rid: int, frame: Frame) -> None:
-        if rid in self._handlers:
-            raise MalformedFrame(f"request id {rid} is already running")
-        method, timeout = frame.header.get("m"), frame.header.get("t")
-        if not isinstance(method, str):
-            raise MalformedFrame("request has no method name")
-        if timeout is not None and not (
-            type(timeout) in (int, float) and math.isfinite(timeout) and timeout >= 0
-        ):
-            raise MalformedFrame(f"request timeout {timeout!r} is not a finite number of seconds")
-        if self._going_away:
-            self._send_error(rid, CODE_GOING_AWAY, "the server is shutting down")
+    def _on_request(self, request: Incoming) -> None:
+        rid = request.rid
+        if self._proto.going_away:
+            self._refuse_request(rid, CODE_GOING_AWAY, "the server is shutting down")
         elif self._limiter is not None and not self._limiter.allow(self._rate_key):
             if self._config.traffic is not None:
                 self._config.traffic.rate_limited_calls += 1
-            self._send_error(rid, CODE_RATE_LIMITED, f"over {self._config.rate_limit_per_s} calls/s")
+            self._refuse_request(rid, CODE_RATE_LIMITED, f"over {self._config.rate_limit_per_s} calls/s")
         elif len(self._handlers) >= self._config.max_concurrent_handlers:
-            self._send_error(rid, CODE_OVERLOADED, f"{len(self._handlers)} calls already running")
+            self._refuse_request(rid, CODE_OVERLOADED, f"{len(self._handlers)} calls already running")
         else:
-            task = self._handlers[rid] = self._tasks.spawn(self._serve(rid, frame), f"request {rid}")
+            task = self._handlers[rid] = self._tasks.spawn(self._serve(request), f"request {rid}")
             # Not a `finally` in _serve: a task cancelled before its first step never runs its body.
-            task.add_done_callback(lambda _, rid=rid: self._handlers.pop(rid, None))
+            task.add_done_callback(lambda _, rid=rid: self._request_done(rid))
 
-    # --------------------------------------------------------------------------- server side
+    def _refuse_request(self, rid: int, code: str, message: str) -> None:
+        self._proto.request_done(rid)
+        self._send_error(rid, code, message)
 
-    async def _serve(self, rid: int, frame: Frame) -> None:
-        header = frame.header
-        method, timeout = header.get("m"), header.get("t")
-        deadline = None if timeout is None else self._loop.time() + float(timeout)
+    def _request_done(self, rid: int) -> None:
+        self._handlers.pop(rid, None)
+        self._proto.request_done(rid)
+
+    async def _serve(self, request: Incoming) -> None:
+        rid, method = request.rid, request.method
+        deadline = None if request.timeout is None else self._loop.time() + request.timeout
         scope = asyncio.timeout_at(deadline)
         try:
             async with scope:
-                await self._run_handler(rid, method, header, frame.buffers, deadline)
+                await self._run_handler(rid, method, request.frame, deadline)
         except TimeoutError:
             if not scope.expired():
                 raise
@@ -507,32 +295,29 @@ class Connection(asyncio.Protocol):
             log.exception("handler of %s failed", method)
             self._send_error(rid, CODE_INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    async def _run_handler(self, rid: int, method: str, header: dict, buffers: list, deadline) -> None:
+    async def _run_handler(self, rid: int, method: str, frame: Frame, deadline: float | None) -> None:
         entry = self._router.lookup(method) if self._router is not None else None
         if entry is None:
             raise RpcError(CODE_UNKNOWN_METHOD, f"no method {method!r}")
         kind, handler = entry
-        meta, tensors = await self._decode(header, buffers)
+        meta, tensors = await self._decode(frame.header, frame.buffers)
         assert self.remote is not None
         request = Request(method, meta, tensors, deadline, self.remote)
         if kind == "unary":
             reply = await handler(request)
-            await self._send_message(Kind.RESPONSE, rid, _check_reply(method, reply), {})
+            await self._send_message(Kind.RESPONSE, rid, payload.check_reply(method, reply), {})
             return
         items = handler(request)
         try:
             async for item in items:
-                await self._send_message(Kind.STREAM_ITEM, rid, _check_reply(method, item), {})
+                await self._send_message(Kind.STREAM_ITEM, rid, payload.check_reply(method, item), {})
         finally:
             await items.aclose()
         self._send_frames(rid, [encode_frame(Kind.STREAM_END, {ID: rid})])
 
     def _send_error(self, rid: int, code: str, message: str) -> None:
-        if self._error is None:
-            # A UTF-8 character is at most 4 bytes: this keeps the message under the peer's str limit.
-            text = str(message)[: self._send_limits.max_str_len // 4]
-            header = {ID: rid, "code": str(code)[:64], "msg": text}
-            self._send_frames(rid, [encode_frame(Kind.ERROR, header, limits=self._send_limits)])
+        if self._proto.closed is None:
+            self._send_frames(rid, [self._proto.error_frame(rid, code, message)])
 
     # --------------------------------------------------------------------------- client side
 
@@ -541,10 +326,10 @@ class Connection(asyncio.Protocol):
         scope = asyncio.timeout(timeout)
         try:
             async with scope, self._call_slots:
-                rid, call = self._start_call(stream=False)
+                rid = self._start_call(stream=False)
                 try:
                     await self._send_request(rid, method, message, self._loop.time() + timeout)
-                    return await self._answer_message(await call.next())
+                    return await self._answer_message(await self._calls[rid].next())
                 finally:
                     self._end_call(rid)
         except TimeoutError:
@@ -552,41 +337,42 @@ class Connection(asyncio.Protocol):
                 raise DeadlineExceeded(f"{method} got no answer within {timeout} s") from None
             raise
 
-    def stream(self, method: str, message: Message = Message(), *, timeout: float) -> "StreamCall":
+    def stream(self, method: str, message: Message = Message(), *, timeout: float) -> StreamCall:
         """A call answered by a stream of messages; iterate it, ideally inside `async with`."""
         return StreamCall(lambda: self, method, message, timeout)
 
-    def _start_call(self, stream: bool) -> tuple[int, _Call]:
-        self._check_open()
-        rid = next(self._ids)
-        call = self._calls[rid] = _Call(stream)
-        return rid, call
+    def _start_call(self, stream: bool) -> int:
+        rid = self._proto.start_call(stream)
+        self._calls[rid] = Mailbox()
+        return rid
+
+    def _on_answer(self, rid: int, frame: Frame) -> None:
+        if frame.kind is Kind.STREAM_ITEM:
+            self._account_undelivered(payload.frame_bytes(frame))
+        self._calls[rid].push(frame)
 
     def _end_call(self, rid: int) -> None:
         """Forget a call; if it is unanswered, take back what is unsent and tell the server."""
-        call = self._calls.pop(rid, None)
-        if call is None:
+        mailbox = self._calls.pop(rid, None)
+        if mailbox is None:
             return
-        while call.frames:  # items the consumer never took
-            item = call.frames.popleft()
+        for item in mailbox.frames:  # items the consumer never took
             if item.kind is Kind.STREAM_ITEM:
-                self._account_undelivered(-_frame_bytes(item))
+                self._account_undelivered(-payload.frame_bytes(item))
         dropped = self._outbox.drop(rid)
         self._budget.release(dropped.payload)
-        if not call.done and self._error is None:
-            self._decoder.discard(rid)
-            if call.sent and not dropped.untouched:  # the server may be working on it
-                self._send_control(encode_frame(Kind.CANCEL, {ID: rid}))
+        cancel = self._proto.end_call(rid, untouched=dropped.untouched)
+        if cancel is not None:
+            self._send_control(cancel)
 
     async def _send_request(self, rid: int, method: str, message: Message, deadline: float) -> None:
         extra = {"m": method, "t": max(0.0, deadline - self._loop.time())}
         await self._send_message(Kind.REQUEST, rid, message, extra)
-        self._calls[rid].sent = True  # queued or written: from here on, cancelling must tell the server
+        self._proto.call_sent(rid)
 
     async def _answer_message(self, frame: Frame) -> Message:
         if frame.kind is Kind.ERROR:
-            code, msg = frame.header.get("code"), frame.header.get("msg")
-            raise RemoteError(str(code), str(msg))
+            raise RemoteError(str(frame.header.get("code")), str(frame.header.get("msg")))
         try:
             meta, tensors = await self._decode(frame.header, frame.buffers)
         except ProtocolError as exc:  # the peer sent a reply that does not decode: drop it
@@ -595,42 +381,29 @@ class Connection(asyncio.Protocol):
             raise
         return Message(meta, tensors)
 
-    async def _next_stream_item(self, rid: int, call: _Call) -> Message | None:
-        frame = await call.next()
+    async def _next_stream_item(self, rid: int) -> Message | None:
+        frame = await self._calls[rid].next()
         if frame.kind is Kind.STREAM_ITEM:
-            self._account_undelivered(-_frame_bytes(frame))
+            self._account_undelivered(-payload.frame_bytes(frame))
         elif frame.kind is Kind.STREAM_END:
             return None
         return await self._answer_message(frame)
-
-    def _check_open(self) -> None:
-        if self._error is not None:
-            raise ConnectionLost(f"connection to {self._address} is closed: {self._error}")
-        if self._going_away:
-            raise ConnectionLost(f"{self._address} is going away; open a new connection")
-        if not self._ready.done():
-            raise LocalProtocolError("call before the hello finished")
 
     # ----------------------------------------------------------------------- sending payloads
 
     async def _send_message(self, kind: Kind, rid: int, message: Message, extra: dict) -> None:
         """Encode `message` and queue its frames under call `rid`, after reserving its bytes."""
-        tensors = list(message.tensors)
+        tensors, limits = list(message.tensors), self._proto.send_limits
         if not tensors:  # control-sized: no budget, no codec, one frame
             self._check_alive()
             header = {ID: rid, **extra, "meta": message.meta, "x": []}
-            self._send_frames(rid, [encode_frame(kind, header, (), self._send_limits)])
+            self._send_frames(rid, [encode_frame(kind, header, (), limits)])
             return
-        estimate = min(sum(_nbytes(t) for t in tensors), self._budget.capacity)
-        await self._budget.acquire(estimate)
-        held = estimate
+        held = min(sum(payload.nbytes(t) for t in tensors), self._budget.capacity)
+        await self._budget.acquire(held)
         try:
-            if estimate > self._config.offload_threshold_bytes:
-                metas, buffers = await self._loop.run_in_executor(None, _encode_all, tensors, message.codec)
-            else:
-                metas, buffers = _encode_all(tensors, message.codec)
-            header = {ID: rid, **extra, "meta": message.meta, "x": metas}
-            frames = encode_message(kind, header, buffers, self._send_limits)
+            metas, buffers = await self._offload(held, payload.encode_all, tensors, message.codec)
+            frames = encode_message(kind, {ID: rid, **extra, "meta": message.meta, "x": metas}, buffers, limits)
             actual = sum(memoryview(b).nbytes for b in buffers)
             if actual > held:
                 await self._budget.acquire(actual - held)
@@ -650,15 +423,17 @@ class Connection(asyncio.Protocol):
         if not metas and not buffers:
             return meta, []
         size = sum(len(b) for b in buffers)
+        return meta, await self._offload(size, payload.decode_all, metas, buffers, self._config.limits)
+
+    async def _offload(self, size: int, work: Callable[..., Any], *args: Any) -> Any:
+        """Codec work on the loop when small, in a worker thread past `offload_threshold_bytes`."""
         if size > self._config.offload_threshold_bytes:
-            tensors = await self._loop.run_in_executor(None, _decode_all, metas, buffers, self._config.limits)
-        else:
-            tensors = _decode_all(metas, buffers, self._config.limits)
-        return meta, tensors
+            return await self._loop.run_in_executor(None, work, *args)
+        return work(*args)
 
     def _check_alive(self) -> None:
-        if self._error is not None:
-            raise ConnectionLost(f"connection to {self._address} closed: {self._error}") from self._error
+        if self._proto.closed is not None:
+            raise ConnectionLost(f"connection to {self._address} closed: {self._proto.closed}") from self._proto.closed
 
     # ------------------------------------------------------------------ writer, heartbeat, flow
 
@@ -675,7 +450,7 @@ class Connection(asyncio.Protocol):
     def _write_now(self, frame: list[Piece]) -> bool:
         """Write at once when nothing is queued and the socket takes data: a small call then
         costs no wake-up of the writer task (half the latency of a ping-pong on loopback)."""
-        if self._outbox or not self._writable.is_set() or self._transport is None or self._error is not None:
+        if self._outbox or not self._writable.is_set() or self._transport is None or self._proto.closed is not None:
             return False
         self._writelines(frame)
         self._last_tx = self._loop.time()
@@ -709,7 +484,7 @@ class Connection(asyncio.Protocol):
         """Stop reading while stream items pile up unconsumed; TCP then slows the sender."""
         self._undelivered += delta + (UNDELIVERED_OVERHEAD_BYTES if delta > 0 else -UNDELIVERED_OVERHEAD_BYTES)
         over = self._undelivered > self._config.max_undelivered_bytes
-        if over != self._reading_paused and self._transport is not None and self._error is None:
+        if over != self._reading_paused and self._transport is not None and self._proto.closed is None:
             self._reading_paused = over
             (self._transport.pause_reading if over else self._transport.resume_reading)()
 
@@ -724,10 +499,10 @@ class Connection(asyncio.Protocol):
     async def close(self) -> None:
         """Close politely: tell the peer we are going away, let queued frames leave (bounded by
         `close_timeout_s`), then drop whatever is still running."""
-        if self._error is None and self._transport is not None:
-            self._going_away = True
-            if self._ready.done() and not self._ready.exception():
-                self._send_control(encode_frame(Kind.GOAWAY, {}))
+        if self._proto.closed is None and self._transport is not None:
+            goaway = self._proto.goaway_frame()
+            if goaway is not None:
+                self._send_control(goaway)
             await self._drain(lambda: bool(self._outbox or self._handlers))
             flushed = not self._outbox and self._transport.get_write_buffer_size() == 0
             self._shutdown(ConnectionLost("closed locally"))
@@ -742,10 +517,9 @@ class Connection(asyncio.Protocol):
 
     def _refuse(self, error: HandshakeError) -> None:
         """End a failed hello with its reason, so the peer's operator sees why, then hang up."""
-        if self._error is not None or self._transport is None:
+        if self._proto.closed is not None or self._transport is None:
             return
-        reason = str(error)[:HANDSHAKE_REASON_CHARS]
-        self._socket_writelines()(encode_frame(Kind.HELLO, {"refused": reason}))
+        self._socket_writelines()(self._proto.refusal_frame(error))
         self._shutdown(error)
         self._transport.close()
 
@@ -759,9 +533,8 @@ class Connection(asyncio.Protocol):
             pass
 
     def _shutdown(self, error: BaseException) -> None:
-        if self._error is not None:
+        if not self._proto.close(error):
             return
-        self._error = error
         if isinstance(error, HandshakeError) and self._config.traffic is not None:
             self._config.traffic.failed_hello(error.reason)
         if self._handshake_timer is not None:
@@ -773,124 +546,14 @@ class Connection(asyncio.Protocol):
         lost = error if isinstance(error, ConnectionLost) else ConnectionLost(f"connection closed: {error}")
         if lost is not error:
             lost.__cause__ = error
-        for call in self._calls.values():
-            call.fail(lost)
+        for mailbox in self._calls.values():
+            mailbox.fail(lost)
         self._budget.fail(lost)
         self._tasks.cancel_all("connection closed")
         if self._on_closed is not None:
             self._on_closed(self)
 
-
     def _leave_gate(self) -> None:
         if self._gate is not None and self._gate_source is not None:
             self._gate.leave(self._gate_source)
             self._gate_source = None
-
-
-class StreamCall:
-    """The caller's end of a streamed answer. Iterating sends the request on first use; leaving
-    early (`aclose`, `async with` exit, break then close) cancels the call on the server."""
-
-    def __init__(self, get_conn, method: str, message: Message, timeout: float) -> None:
-        self._get_conn = get_conn
-        self._method, self._message, self._timeout = method, message, timeout
-        self._conn: Connection | None = None
-        self._rid: int | None = None
-        self._call: _Call | None = None
-        self._deadline: float | None = None
-        self._finished = False
-
-    async def __aenter__(self) -> "StreamCall":
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    def __aiter__(self) -> "StreamCall":
-        return self
-
-    async def __anext__(self) -> Message:
-        if self._finished:
-            raise StopAsyncIteration
-        loop = asyncio.get_running_loop()
-        if self._deadline is None:
-            self._deadline = loop.time() + self._timeout
-        scope = asyncio.timeout_at(self._deadline)
-        try:
-            async with scope:
-                if self._conn is None:
-                    conn = self._get_conn()
-                    self._conn = await conn if asyncio.iscoroutine(conn) else conn
-                    self._rid, self._call = self._conn._start_call(stream=True)
-                    await self._conn._send_request(self._rid, self._method, self._message, self._deadline)
-                assert self._rid is not None and self._call is not None
-                item = await self._conn._next_stream_item(self._rid, self._call)
-        except TimeoutError:
-            await self.aclose()
-            if scope.expired():
-                raise DeadlineExceeded(f"stream {self._method} ran past {self._timeout} s") from None
-            raise
-        except BaseException:
-            await self.aclose()
-            raise
-        if item is None:
-            await self.aclose()
-            raise StopAsyncIteration
-        return item
-
-    async def aclose(self) -> None:
-        self._finished = True
-        if self._conn is not None and self._rid is not None:
-            self._conn._end_call(self._rid)
-            self._rid = None
-
-
-def _frame_id(header: dict) -> int:
-    rid = header.get(ID)
-    if type(rid) is not int or rid < 0:
-        raise MalformedFrame(f"frame has no valid {ID!r}")
-    return rid
-
-
-def _frame_bytes(frame: Frame) -> int:
-    return sum(len(b) for b in frame.buffers)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _check_reply(method: str, reply: object) -> Message:
-    if not isinstance(reply, Message):
-        raise RpcError(CODE_BAD_REPLY, f"handler of {method} returned {type(reply).__name__}, not Message")
-    return reply
-
-
-def _encode_all(tensors: list[torch.Tensor], codec: str) -> tuple[list[dict], list]:
-    from .codecs import encode_tensor  # deferred: torch loads only once a tensor is sent
-
-    metas, buffers = [], []
-    for tensor in tensors:
-        meta, bufs = encode_tensor(tensor, codec)
-        metas.append(meta)
-        buffers.extend(bufs)
-    return metas, buffers
-
-
-def _decode_all(metas: list, buffers: list, limits: Limits) -> list[torch.Tensor]:
-    """Split the frame's buffers among its tensors (codecs.buffer_count says how many each takes)."""
-    if len(metas) > len(buffers) + limits.max_buffers_per_frame:
-        raise MalformedFrame("more tensors announced than the frame can carry")
-    if metas:
-        from .codecs import buffer_count, decode_tensor  # deferred: torch loads only for tensors
-    tensors, start = [], 0
-    for meta in metas:
-        count = buffer_count(meta)
-        if start + count > len(buffers):
-            raise MalformedFrame("tensor list needs more buffers than the frame has")
-        tensors.append(decode_tensor(meta, buffers[start : start + count], limits))
-        start += count
-    if start != len(buffers):
-        raise MalformedFrame(f"frame has {len(buffers) - start} buffers no tensor claims")
-    return tensors
-

@@ -115,11 +115,11 @@ async def test_server_enforces_the_deadline_from_the_header(setup):
     srv, pool, probe = setup
     conn = await pool.connect(srv.address)
     loop = asyncio.get_running_loop()
-    rid, call = conn._start_call(stream=False)
+    rid = conn._start_call(stream=False)
     try:
         await conn._send_request(rid, "block", Message(), loop.time() + 0.2)
         with pytest.raises(RemoteError) as err:
-            await asyncio.wait_for(conn._answer_message(await call.next()), 10)
+            await asyncio.wait_for(conn._answer_message(await conn._calls[rid].next()), 10)
     finally:
         conn._end_call(rid)
     assert err.value.code == "deadline_exceeded"
