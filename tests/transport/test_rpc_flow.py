@@ -71,6 +71,7 @@ async def setup():
         await srv.close()
 
 
+@pytest.mark.slow
 async def test_256_mb_tensor_round_trips_exactly(setup):
     srv, pool, _ = setup
     big = torch.arange(64 * 1024 * 1024, dtype=torch.float32)  # 256 MiB

@@ -65,6 +65,7 @@ def test_random_bytes_after_a_valid_prelude_give_only_protocol_errors(tail, step
     _feed_checked(VALID[:16] + tail, step)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8),
@@ -77,6 +78,7 @@ def test_mutated_frames_give_only_protocol_errors(mutations, step):
     _feed_checked(bytes(data), step)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.integers(0, len(VALID)), st.binary(max_size=64), st.integers(1, 2048))
 def test_spliced_frames_give_only_protocol_errors(cut, insert, step):
