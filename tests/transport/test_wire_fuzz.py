@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tracemalloc
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
