@@ -1,4 +1,4 @@
-"""The caller's side of a call in flight: a mailbox its answer frames land in, and `StreamCall`,
+"""The caller's side of a call in flight: a inbox its answer frames land in, and `StreamCall`,
 the async iterator over a streamed answer. `RpcProtocol` decides which frames answer which call;
 these only hand them to the task that waits."""
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .connection import Connection
 
 
-class Mailbox:
+class Inbox:
     """Answer frames of one call (one for unary, many for a stream), or the error that ends it."""
 
     __slots__ = ("frames", "waiter", "error")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import payload, sockopts
-from .calls import Mailbox, StreamCall
+from .calls import Inbox, StreamCall
 from .config import RpcConfig
 from .errors import (
     ConnectionLost,
@@ -83,12 +83,12 @@ class Connection(asyncio.Protocol):
         self._ready: asyncio.Future[RemoteInfo] = self._loop.create_future()
         self._closed: asyncio.Future[None] = self._loop.create_future()
         self._transport: asyncio.Transport | None = None
-        self._tasks = TaskSet("connection")
+        self._tasks = TaskSet("connection", on_failure=self._task_failed)
         self._outbox = Outbox()
         self._budget = Budget(config.limits.max_inflight_bytes)
         self._writable = asyncio.Event()
         self._writable.set()
-        self._calls: dict[int, Mailbox] = {}
+        self._calls: dict[int, Inbox] = {}
         self._handlers: dict[int, asyncio.Task] = {}
         self._call_slots = asyncio.Semaphore(config.max_pending_calls)
         self._last_rx = self._last_tx = self._loop.time()
@@ -343,7 +343,7 @@ class Connection(asyncio.Protocol):
 
     def _start_call(self, stream: bool) -> int:
         rid = self._proto.start_call(stream)
-        self._calls[rid] = Mailbox()
+        self._calls[rid] = Inbox()
         return rid
 
     def _on_answer(self, rid: int, frame: Frame) -> None:
@@ -353,10 +353,10 @@ class Connection(asyncio.Protocol):
 
     def _end_call(self, rid: int) -> None:
         """Forget a call; if it is unanswered, take back what is unsent and tell the server."""
-        mailbox = self._calls.pop(rid, None)
-        if mailbox is None:
+        inbox = self._calls.pop(rid, None)
+        if inbox is None:
             return
-        for item in mailbox.frames:  # items the consumer never took
+        for item in inbox.frames:  # items the consumer never took
             if item.kind is Kind.STREAM_ITEM:
                 self._account_undelivered(-payload.frame_bytes(item))
         dropped = self._outbox.drop(rid)
@@ -546,12 +546,16 @@ class Connection(asyncio.Protocol):
         lost = error if isinstance(error, ConnectionLost) else ConnectionLost(f"connection closed: {error}")
         if lost is not error:
             lost.__cause__ = error
-        for mailbox in self._calls.values():
-            mailbox.fail(lost)
+        for inbox in self._calls.values():
+            inbox.fail(lost)
         self._budget.fail(lost)
         self._tasks.cancel_all("connection closed")
         if self._on_closed is not None:
             self._on_closed(self)
+
+    def _task_failed(self, name: str, exc: BaseException) -> None:
+        """The writer, the heartbeat or a handler died of a bug: the connection cannot go on."""
+        self.abort(ConnectionLost(f"internal error in {name}: {type(exc).__name__}: {exc}"))
 
     def _leave_gate(self) -> None:
         if self._gate is not None and self._gate_source is not None:

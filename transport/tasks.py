@@ -2,15 +2,17 @@
 
 A connection spawns a task per incoming request and cannot use one `async with TaskGroup()` scope
 (its lifetime is driven by protocol callbacks, not by one coroutine), so it owns a TaskSet instead:
-tasks remove themselves when done, an unexpected exception is logged rather than lost, and
-`aclose()` cancels whatever is left and waits for it.
+tasks remove themselves when done, `aclose()` cancels whatever is left and waits for it, and a task
+that fails with anything but a TransportError (a bug, or a loop that must not end) is logged with
+its traceback and handed to the owner's `on_failure(name, exc)`, which decides: abort the
+connection, stop the part, show it in a status. Without `on_failure` the log is all there is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .errors import TransportError
@@ -18,9 +20,13 @@ from .errors import TransportError
 log = logging.getLogger(__name__)
 
 
+OnFailure = Callable[[str, BaseException], None]
+
+
 class TaskSet:
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, on_failure: OnFailure | None = None) -> None:
         self._owner = owner
+        self._on_failure = on_failure
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
 
@@ -56,5 +62,9 @@ class TaskSet:
         exc = task.exception()
         # Transport errors (a dial that failed, a peer that vanished) are expected and reach whoever
         # awaited the task; anything else is a bug and must not vanish silently.
-        level = logging.DEBUG if isinstance(exc, TransportError) else logging.ERROR
-        log.log(level, "%s: task %s failed", self._owner, task.get_name(), exc_info=exc)
+        if isinstance(exc, TransportError):
+            log.debug("%s: task %s failed", self._owner, task.get_name(), exc_info=exc)
+            return
+        log.error("%s: task %s failed", self._owner, task.get_name(), exc_info=exc)
+        if self._on_failure is not None:
+            self._on_failure(task.get_name(), exc)

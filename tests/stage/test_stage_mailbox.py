@@ -1,0 +1,89 @@
+"""allreduce.Mailbox on its own: round boxes by id, opened by the first part or by this peer's own
+round, checked against it, capped, expired, and closed for good once dropped."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmd.stage.allreduce import Mailbox
+from swarmd.stage.errors import BAD_INPUT, BUSY
+from transport.errors import RpcError
+
+A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
+MEMBERS = [A, B, C]
+
+
+def mailbox(max_open: int = 4, expire_s: float = 60.0, join_s: float = 60.0, closed_kept: int = 8) -> Mailbox:
+    return Mailbox(max_open, expire_s, join_s, closed_kept)
+
+
+async def test_a_part_before_the_round_started_here_opens_the_box_the_round_then_joins():
+    box = mailbox()
+    early = box.box(b"r1", 3, MEMBERS, B, 12)
+    assert not early.joined and box.open_rounds == 1
+    assert box.box(b"r1", 3, MEMBERS, B, 12, join=True) is early and early.joined
+
+
+@pytest.mark.parametrize("step, members", [(4, MEMBERS), (3, [A, B])])
+async def test_a_part_disagreeing_with_the_rounds_first_part_is_bad_input(step, members):
+    box = mailbox()
+    box.box(b"r1", 3, MEMBERS, B, 12)
+    with pytest.raises(RpcError) as info:
+        box.box(b"r1", step, members, B, 12)
+    assert info.value.code == BAD_INPUT
+
+
+@pytest.mark.parametrize("members", [[A, C], [B, A, C], [A, B, B]])
+async def test_members_must_be_distinct_sorted_and_include_this_peer(members):
+    with pytest.raises(RpcError) as info:
+        mailbox().box(b"r1", 1, members, B, 12)
+    assert info.value.code == BAD_INPUT
+
+
+async def test_rounds_past_max_open_are_busy_and_a_later_step_frees_the_earlier_ones():
+    box = mailbox(max_open=2)
+    first, _ = box.box(b"r1", 1, MEMBERS, A, 6), box.box(b"r2", 1, MEMBERS, A, 6)
+    with pytest.raises(RpcError) as info:
+        box.box(b"r3", 1, MEMBERS, A, 6)
+    assert info.value.code == BUSY and "max_open_rounds" in info.value.message
+    box.box(b"r4", 2, MEMBERS, A, 6)
+    assert box.open_rounds == 1 and first.failure is not None
+
+
+async def test_a_round_never_joined_here_expires_after_join_s():
+    box = mailbox(join_s=0.0)
+    stale = box.box(b"r1", 1, MEMBERS, A, 6)
+    await asyncio.sleep(0.01)
+    box.box(b"r2", 1, MEMBERS, A, 6, join=True)
+    assert box.get(b"r1") is None and "never joined" in stale.failure
+
+
+async def test_a_dropped_round_stays_closed_and_so_does_an_id_dropped_before_it_was_seen():
+    box = mailbox()
+    opened = box.box(b"r1", 1, MEMBERS, A, 6)
+    box.drop(b"r1", "aborted by the leader")
+    box.drop(b"r2")  # the abort overtook the round's parts
+    assert opened.failure == "aborted by the leader"
+    for round_id in (b"r1", b"r2"):
+        with pytest.raises(RpcError) as info:
+            box.box(round_id, 1, MEMBERS, A, 6)
+        assert info.value.code == BUSY and "already closed" in info.value.message
+
+
+async def test_retiring_a_step_fails_its_rounds_and_only_closed_kept_ids_are_remembered():
+    box = mailbox(closed_kept=2)
+    new, old = box.box(b"r2", 2, MEMBERS, A, 6), box.box(b"r1", 1, MEMBERS, A, 6)  # a late part of step 1
+    box.retire(1)
+    assert "step 1 is committed" in old.failure and new.failure is None and box.open_rounds == 1
+    box.drop(b"x1")
+    box.drop(b"x2")
+    assert box.box(b"r1", 3, MEMBERS, A, 6) is not None  # forgotten: only the newest two are kept
+
+
+async def test_fail_all_fails_every_open_round_with_the_reason():
+    box = mailbox()
+    rounds = [box.box(bytes([i]), 1, MEMBERS, A, 6) for i in range(3)]
+    box.fail_all("stage stopping")
+    assert box.open_rounds == 0 and all(r.failure == "stage stopping" for r in rounds)
