@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Admit = Callable[[RemoteInfo], "str | None"]
+#: A Unix socket's admission by the kernel's SO_PEERCRED (pid, uid, gid) alone, run when the
+#: connection is accepted: a refused client never holds a hello slot nor a connection slot.
+AdmitLocal = Callable[["tuple[int, int, int] | None"], "str | None"]
 
 MIN_PEER_CHUNK_BYTES = 16 * KiB
 """A peer asking for smaller chunks would make us spend a frame header and a loop turn per few
@@ -141,8 +144,10 @@ class Connection(asyncio.Protocol):
         on_closed: Callable[["Connection"], None] | None = None,
         gate: HelloGate | None = None,
         limiter: RateLimiter | None = None,
+        admit_local: AdmitLocal | None = None,
     ) -> None:
         self._config = config
+        self._admit_local = admit_local
         self._gate = gate
         self._gate_source: str | None = None  # set while we hold a slot of the gate
         self._limiter = limiter
@@ -245,8 +250,11 @@ class Connection(asyncio.Protocol):
         elif sock is not None:
             self._peercred = sockopts.peercred(sock)
         self._address = transport.get_extra_info("peername")
+        if self._admit_local is not None and (reason := self._local_refusal()) is not None:
+            self._refuse(HandshakeError(f"admission refused: {reason}", "admission"))
+            return
         if self._gate is not None:
-            source = source_of(self._address)
+            source = source_of(self._address, self._peercred)
             reason = self._gate.enter(source)
             if reason is not None:
                 log.info("dropping connection from %s at once: %s", self._address, reason)
@@ -259,6 +267,14 @@ class Connection(asyncio.Protocol):
         self._handshake_timer = self._loop.call_later(self._config.handshake_timeout_s, self._hello_overdue)
         self._send_control(encode_frame(Kind.HELLO, {"hello": self._handshake.hello_bytes()}))
         self._tasks.spawn(self._write_loop(), "writer")
+
+    def _local_refusal(self) -> str | None:
+        assert self._admit_local is not None
+        try:
+            return self._admit_local(self._peercred)
+        except Exception:
+            log.exception("local admission hook failed for %s", self._address)
+            return "the admission check failed"
 
     def _hello_overdue(self) -> None:
         """The handshake deadline: logged with the address, since a slow-loris has no proven id."""
