@@ -124,3 +124,10 @@ class DHTConfig:
     #: Pending record hand-offs to newly seen closer nodes (bounded queue; extras wait for the
     #: announcers' next refresh).
     max_pending_handoffs: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.max_announce_ttl > self.refresh_interval:
+            raise ValueError(f"max_announce_ttl ({self.max_announce_ttl:g} s) must exceed refresh_interval "
+                             f"({self.refresh_interval:g} s), or storers drop announcements between refreshes")
+        if self.max_subkeys_per_source < 1:
+            raise ValueError("max_subkeys_per_source must be at least 1, or no network could store anything")

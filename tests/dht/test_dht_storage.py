@@ -197,3 +197,9 @@ def test_rejected_store_changes_nothing():
     with pytest.raises(RecordRejected):
         s.put(bad, SENDER, NOW)
     assert (len(s), s.total_bytes) == before
+
+
+def test_an_announcement_cap_below_the_refresh_period_is_a_config_error():
+    with pytest.raises(ValueError, match="max_announce_ttl"):
+        DHTConfig(refresh_interval=200.0)
+    DHTConfig(refresh_interval=200.0, max_announce_ttl=1000.0)
