@@ -364,6 +364,13 @@ class LogSection:
     format: str = setting(
         "text", _choice(LOG_FORMATS), "text for people and journald; json for log shippers", flag="--log-format",
     )
+    warnings_per_source: int = setting(
+        5, _int_kind(1), "warnings about one remote source per window: a peer sending junk on purpose "
+        "must not write our disk at its pace",
+    )
+    warning_window_s: float = setting(
+        60.0, _float_kind(0.01), "the window of warnings_per_source; the next line after it counts those dropped",
+    )
 
 
 @dataclass(frozen=True)

@@ -231,9 +231,14 @@ class Admission:
 
     def check(self, remote: RemoteInfo) -> str | None:
         """None to admit, else the reason the client is told."""
-        if remote.peercred is None:
+        return self.check_peercred(remote.peercred)
+
+    def check_peercred(self, peercred: tuple[int, int, int] | None) -> str | None:
+        """`check` on the kernel's credentials alone: what the daemon runs when it accepts a
+        connection, so a refused user never holds a slot that root or an admitted user needs."""
+        if peercred is None:
             return "no peer credentials on this connection"
-        pid, uid, gid = remote.peercred
+        pid, uid, gid = peercred
         if uid in (0, self.daemon_uid):
             return None
         try:

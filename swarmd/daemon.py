@@ -91,6 +91,14 @@ def load_identity(state_dir: Path) -> Identity:
     return identity
 
 
+def admit_peer(remote: Any) -> str | None:
+    """The peer port serves proven identities only: an anonymous hello (no public key) could call
+    anything a peer can without being named, banned or rate-limited by id (docs/security.md)."""
+    if remote.public_key is None or remote.peer_id is None:
+        return "anonymous hellos are not served on the peer port: prove a peer identity"
+    return None
+
+
 def peer_rpc_config(net: configuration.NetworkSection, identity: Identity, traffic: Traffic) -> RpcConfig:
     """The one RpcConfig of peer connections, for the server and the pool alike: a connection's two
     ends must agree on the swarm key and on encryption, whichever of them dialled."""
@@ -205,7 +213,8 @@ class Daemon:
         router = self.router = metrics.InstrumentedRouter(self.metrics, "peer")
         rpc_config = peer_rpc_config(cfg.network, self.identity, self.metrics.traffic)
         try:
-            server = await RpcServer.serve_tcp(router, cfg.network.listen.host, cfg.network.listen.port, config=rpc_config)
+            server = await RpcServer.serve_tcp(router, cfg.network.listen.host, cfg.network.listen.port, config=rpc_config,
+                                               admit=admit_peer)
         except OSError as exc:
             raise StartupError(EXIT_FAILURE, f"cannot listen on {cfg.network.listen}: {exc.strerror or exc}") from None
         closers.append(("transport server", server.close))
@@ -262,7 +271,8 @@ class Daemon:
         control_router = metrics.InstrumentedRouter(self.metrics, "control")
         control.register(control_router, self)
         self._control_server = await RpcServer.serve_unix(
-            control_router, sock=bound.sock, config=RpcConfig(), admit=lambda remote: self._admit(admission, remote),
+            control_router, sock=bound.sock, config=RpcConfig(), admit=self._admit,
+            admit_local=lambda peercred: self._admit_local(admission, peercred),
         )
         closers.append(("control API", self._control_server.close))
         self.control_socket = bound.path
@@ -287,15 +297,24 @@ class Daemon:
         except control.ControlSocketError as exc:
             raise StartupError(EXIT_FAILURE, str(exc)) from None
 
-    def _admit(self, admission: control.Admission, remote: Any) -> str | None:
-        reason = admission.check(remote)
-        if reason is None and self._control_server is not None:
-            if self._control_server.connections > self.config.control.max_connections:
-                reason = f"too many control connections (control.max_connections = {self.config.control.max_connections})"
+    def _admit_local(self, admission: control.Admission, peercred: tuple[int, int, int] | None) -> str | None:
+        """Who may use the control socket, by SO_PEERCRED when the connection is accepted."""
+        return self._refused_control(peercred, admission.check_peercred(peercred))
+
+    def _admit(self, remote: Any) -> str | None:
+        """After the hello of an admitted user: the cap on connections (those of refused users
+        were closed at accept and never counted)."""
+        reason = None
+        if self._control_server is not None and self._control_server.connections > self.config.control.max_connections:
+            reason = f"too many control connections (control.max_connections = {self.config.control.max_connections})"
+        return self._refused_control(remote.peercred, reason)
+
+    def _refused_control(self, peercred: tuple[int, int, int] | None, reason: str | None) -> str | None:
         if reason is not None:
             self.metrics.control_refused.inc()
-            pid, uid, _ = remote.peercred or (None, None, None)
-            log.warning("refused control connection from pid %s uid %s: %s", pid, uid, reason)
+            pid, uid, _ = peercred or (None, None, None)
+            log.warning("refused control connection from pid %s uid %s: %s", pid, uid, reason,
+                        extra={"source": f"uid {uid}"})
         return reason
 
     async def _serve(self) -> int:
@@ -556,7 +575,8 @@ async def _close_server(server: asyncio.Server) -> None:
 
 def run(config: Config, reload: Callable[[], Config] | None = None) -> int:
     """Run a daemon on the best event loop; returns the exit status for `sys.exit`."""
-    logs.configure(config.log.level, config.log.format)
+    logs.configure(config.log.level, config.log.format,
+                   limit=logs.WarningLimit(config.log.warnings_per_source, config.log.warning_window_s))
     daemon = Daemon(config, reload=reload or (lambda: config))
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:

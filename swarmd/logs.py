@@ -13,6 +13,9 @@ import logging
 import os
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Mapping
 
 ROOT_LOGGER = "swarmd"
@@ -85,8 +88,71 @@ def level_number(name: str) -> int:
     return logging.getLevelNamesMapping()[name.upper()]
 
 
-def configure(level: str, fmt: str, *, stream: IO[str] | None = None, env: Mapping[str, str] = os.environ) -> None:
+def source_of(record: logging.LogRecord) -> str | None:
+    """Who a warning is about, when it is about a remote party: the `source` a caller passed in
+    `extra`, or the host of the address the transport's "... from %s" lines name first."""
+    source = getattr(record, "source", None)
+    if source is not None:
+        return str(source)
+    args = record.args if isinstance(record.args, tuple) else ()
+    if args and isinstance(args[0], tuple) and args[0]:
+        return str(args[0][0])
+    return None
+
+
+@dataclass(frozen=True)
+class WarningLimit:
+    """How many WARNING lines about one remote source reach the log per window: a peer that sends
+    malformed bytes on purpose would otherwise write our disk at its own pace. The first line past
+    the window after a quiet spell carries the count of those dropped."""
+
+    per_source: int = 5
+    window_s: float = 60.0
+    #: Sources remembered; the least recently heard is forgotten past it (an attacker with many
+    #: addresses costs a small entry each, and each forgotten one may write `per_source` again).
+    sources: int = 4096
+
+
+class SourceRateLimit(logging.Filter):
+    """Drops WARNING lines about a source past `limit.per_source` in `limit.window_s`, and counts
+    them (`suppressed`, in total); lines about no remote source always pass."""
+
+    def __init__(self, limit: WarningLimit = WarningLimit(), clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.limit, self._clock = limit, clock
+        self._windows: OrderedDict[str, list] = OrderedDict()  # source -> [window start, lines, dropped]
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or (source := source_of(record)) is None:
+            return True
+        now = self._clock()
+        window = self._windows.pop(source, None)
+        if window is None or now - window[0] >= self.limit.window_s:
+            dropped = window[2] if window is not None else 0
+            window = [now, 0, 0]
+            if dropped:
+                note = f" [{dropped} more such lines about {source} were dropped]"
+                record.msg = f"{record.msg}{note.replace('%', '%%') if record.args else note}"
+        self._windows[source] = window
+        while len(self._windows) > self.limit.sources:
+            self._windows.popitem(last=False)
+        if window[1] < self.limit.per_source:
+            window[1] += 1
+            return True
+        window[2] += 1
+        self.suppressed += 1
+        return False
+
+
+#: The limiter of the handler `configure` installed last (the daemon reads its count for status).
+warning_limiter = SourceRateLimit()
+
+
+def configure(level: str, fmt: str, *, stream: IO[str] | None = None, env: Mapping[str, str] = os.environ,
+              limit: WarningLimit = WarningLimit()) -> None:
     """Install one handler for our packages; calling again replaces it (tests, SIGHUP)."""
+    global warning_limiter
     stream = stream if stream is not None else sys.stderr
     if fmt == "json":
         formatter: logging.Formatter = JsonFormatter()
@@ -96,6 +162,8 @@ def configure(level: str, fmt: str, *, stream: IO[str] | None = None, env: Mappi
         formatter = TextFormatter()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)
+    warning_limiter = SourceRateLimit(limit)
+    handler.addFilter(warning_limiter)
     for name in PACKAGE_LOGGERS:
         logger = logging.getLogger(name)
         for old in list(logger.handlers):

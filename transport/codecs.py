@@ -22,7 +22,7 @@ import numpy
 import torch
 
 from transport.errors import CodecError, LimitExceeded, LocalProtocolError
-from transport.limits import KiB, Limits
+from transport.limits import LZ4_MAX_RATIO, KiB, Limits
 
 if sys.byteorder != "little":  # the wire carries raw little-endian tensor bytes
     raise ImportError("transport.codecs supports little-endian hosts only")
@@ -67,12 +67,14 @@ def encode_tensor(
     *,
     lz4_min_gain: float = LZ4_MIN_GAIN,
     lz4_sample_bytes: int = LZ4_SAMPLE_BYTES,
+    lz4_max_ratio: int = LZ4_MAX_RATIO,
     int8_block: int = INT8_BLOCK,
 ) -> tuple[dict, list[memoryview]]:
     """Metadata (msgpack-able) and payload views; `meta["codec"]` is what was actually applied.
 
     A codec that cannot help a dtype falls back: fp16 and int8 leave non-float tensors as they are
-    (`fp16+lz4` becomes `lz4`), and lz4 is dropped when it does not save `lz4_min_gain`. On CUDA the
+    (`fp16+lz4` becomes `lz4`), and lz4 is dropped when it does not save `lz4_min_gain`, or when it
+    shrinks the payload more than `lz4_max_ratio` times (receivers refuse that as a bomb). On CUDA the
     cast and quantization run on the GPU and only the smaller result is copied to the host.
     """
     if codec not in CODECS:
@@ -92,7 +94,7 @@ def encode_tensor(
     if cast:
         tensor = _cast(tensor, torch.float16).clamp_(-FP16_MAX, FP16_MAX)
     payload = _bytes_view(tensor)
-    compressed = _maybe_lz4(payload, lz4_min_gain, lz4_sample_bytes) if codec.endswith("lz4") else None
+    compressed = _maybe_lz4(payload, lz4_min_gain, lz4_sample_bytes, lz4_max_ratio) if codec.endswith("lz4") else None
     if compressed is None:
         meta["codec"] = "fp16" if cast else "none"
         return meta, [payload]
@@ -125,7 +127,7 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())  # the array keeps `flat` (and its storage) alive
 
 
-def _maybe_lz4(payload: memoryview, min_gain: float, sample_bytes: int) -> bytes | None:
+def _maybe_lz4(payload: memoryview, min_gain: float, sample_bytes: int, max_ratio: int) -> bytes | None:
     size = payload.nbytes
     if size == 0 or size > _LZ4_MAX_INPUT:
         return None
@@ -137,7 +139,9 @@ def _maybe_lz4(payload: memoryview, min_gain: float, sample_bytes: int) -> bytes
         if len(lz4.block.compress(sample, store_size=False)) > len(sample) * (1.0 - min_gain):
             return None
     compressed = lz4.block.compress(payload, store_size=False)
-    return compressed if len(compressed) <= budget else None
+    # Past the ratio a receiver refuses the payload as a bomb; what compresses that well is nearly
+    # all zeros, and goes raw.
+    return compressed if len(compressed) <= budget and len(compressed) * max_ratio >= size else None
 
 
 def _quantize_int8(tensor: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +184,29 @@ def buffer_count(meta: dict) -> int:
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}")
     return 2 if codec == "int8" else 1
+
+
+def check_message_budget(metas: list, buffers: list, limits: Limits = Limits()) -> None:
+    """Refuse a message whose tensors announce more than `max_decoded_message_bytes` in all, or an
+    lz4 payload claiming more than `max_lz4_ratio` times its own size, before any is decoded.
+
+    Each tensor is bounded on its own by decode_tensor; this is the bound on their sum, checked
+    first because a message is decoded tensor by tensor and memory would be spent before the last
+    one's lie showed. Only metadata and buffer lengths are read; decode_tensor re-checks the rest."""
+    total, start = 0, 0
+    for meta in metas:
+        if not isinstance(meta, dict):
+            raise CodecError(f"tensor metadata must be a map, got {type(meta).__name__}")
+        dtype, _, numel = _check_meta(meta, limits)
+        total += numel * dtype.itemsize
+        if total > limits.max_decoded_message_bytes:
+            raise LimitExceeded("decoded bytes of one message", total, limits.max_decoded_message_bytes)
+        raw = meta.get("raw")
+        if meta["codec"].endswith("lz4") and type(raw) is int and start < len(buffers):
+            packed = _readable(buffers[start]).nbytes
+            if raw > packed * limits.max_lz4_ratio:
+                raise LimitExceeded(f"lz4 expansion of {packed} bytes", raw, packed * limits.max_lz4_ratio)
+        start += buffer_count(meta)
 
 
 def decode_tensor(meta: dict, buffers: list, limits: Limits = Limits()) -> torch.Tensor:
@@ -260,6 +287,8 @@ def _decompress(raw: object, expected: int, payload: memoryview, limits: Limits)
         raise LimitExceeded("decompressed bytes", raw, limits.max_decompressed_bytes)
     if raw == 0 or payload.nbytes > raw + raw // 255 + 16:  # LZ4_compressBound: nobody sends more
         raise CodecError(f"{payload.nbytes} lz4 bytes cannot be a compressed {raw}-byte payload")
+    if raw > payload.nbytes * limits.max_lz4_ratio:
+        raise LimitExceeded(f"lz4 expansion of {payload.nbytes} bytes", raw, payload.nbytes * limits.max_lz4_ratio)
     try:
         out = lz4.block.decompress(payload, uncompressed_size=raw, return_bytearray=True)
     except lz4.block.LZ4BlockError as exc:

@@ -44,9 +44,13 @@ from .wire import ID, VERSION, Frame, Kind, Piece, encode_frame, encode_message
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Admit", "CODE_BAD_REPLY", "Connection", "HELLO_LIMITS", "StreamCall"]
+__all__ = ["Admit", "AdmitLocal", "CODE_BAD_REPLY", "Connection", "HELLO_LIMITS", "StreamCall"]
 
 log = logging.getLogger(__name__)
+
+#: A Unix socket's admission by the kernel's SO_PEERCRED (pid, uid, gid) alone, run when the
+#: connection is accepted: a refused client never holds a hello slot nor a connection slot.
+AdmitLocal = Callable[["tuple[int, int, int] | None"], "str | None"]
 
 UNDELIVERED_OVERHEAD_BYTES = 256
 """Counted per queued stream item on top of its payload, so empty items cannot pile up for free."""
@@ -68,9 +72,11 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, config: RpcConfig, *, initiator: bool, router: Router | None = None,
                  admit: Admit | None = None, on_closed: Callable[["Connection"], None] | None = None,
-                 gate: HelloGate | None = None, limiter: RateLimiter | None = None) -> None:
+                 gate: HelloGate | None = None, limiter: RateLimiter | None = None,
+                 admit_local: AdmitLocal | None = None) -> None:
         self._config, self._router, self._on_closed = config, router, on_closed
         self._gate, self._limiter = gate, limiter
+        self._admit_local = admit_local
         self._gate_source: str | None = None  # set while we hold a slot of the gate
         self._rate_key: object = None
         self._loop = asyncio.get_running_loop()
@@ -151,8 +157,11 @@ class Connection(asyncio.Protocol):
         elif sock is not None:
             self._proto.peercred = sockopts.peercred(sock)
         self._proto.address = transport.get_extra_info("peername")
+        if self._admit_local is not None and (reason := self._local_refusal()) is not None:
+            self._refuse(HandshakeError(f"admission refused: {reason}", "admission"))
+            return
         if self._gate is not None:
-            source = source_of(self._address)
+            source = source_of(self._address, self._proto.peercred)
             reason = self._gate.enter(source)
             if reason is not None:
                 log.info("dropping connection from %s at once: %s", self._address, reason)
@@ -165,6 +174,14 @@ class Connection(asyncio.Protocol):
         self._handshake_timer = self._loop.call_later(self._config.handshake_timeout_s, self._hello_overdue)
         self._send_control(self._proto.hello_frame())
         self._tasks.spawn(self._write_loop(), "writer")
+
+    def _local_refusal(self) -> str | None:
+        assert self._admit_local is not None
+        try:
+            return self._admit_local(self._proto.peercred)
+        except Exception:
+            log.exception("local admission hook failed for %s", self._address)
+            return "the admission check failed"
 
     def _hello_overdue(self) -> None:
         """The handshake deadline: logged with the address, since a slow-loris has no proven id."""

@@ -15,12 +15,12 @@ from collections import Counter
 from typing import Any
 
 
-def source_of(address: Any) -> str:
+def source_of(address: Any, peercred: tuple[int, int, int] | None = None) -> str:
     """The key a connection counts under: the remote host for TCP (every port of one host shares a
-    quota), one shared key for Unix sockets (all local)."""
+    quota), the connecting user for Unix sockets (one local user cannot use up root's slots)."""
     if isinstance(address, tuple) and address:
         return str(address[0])
-    return "unix"
+    return f"uid {peercred[1]}" if peercred is not None else "unix"
 
 
 class HelloGate:

@@ -23,6 +23,10 @@ PRELUDE_BYTES = 16
 LENGTH_ENTRY_BYTES = 8
 """Each payload buffer's length is one big-endian u64 in the frame's length table."""
 
+LZ4_MAX_RATIO = 32
+"""Raw bytes per lz4 byte a sender keeps to and a receiver accepts by default: a 4 MB message then
+decodes to at most 128 MB of payload (256 MB once fp16 is widened), not to GBs."""
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -62,6 +66,15 @@ class Limits:
     # lz4 never inflates a payload past this (and never past what the metadata announces): a
     # compressed block can claim a 255x expansion, so the bound is on the output, not the input.
     max_decompressed_bytes: int = 1024 * MiB
+    # Sum of the decoded sizes every tensor of one message announces, checked before the first one
+    # is decoded (codecs.check_message_budget): the per-tensor bounds above times 1024 tensors
+    # would let 4 MB of lz4 bombs claim GBs. An honest message is at most max_message_bytes on the
+    # wire and fp16 decodes to fp32, so twice that is the most honest traffic needs.
+    max_decoded_message_bytes: int = 1024 * MiB
+    # An lz4 payload may announce at most this many raw bytes per compressed byte. lz4 itself
+    # reaches ~255x on runs of zeros, which is what bombs are made of; activations and gradients
+    # that compress this well are nearly all zeros, and encode_tensor sends those uncompressed.
+    max_lz4_ratio: int = LZ4_MAX_RATIO
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -51,7 +51,8 @@ def decode_all(metas: list, buffers: list, limits: Limits) -> list[torch.Tensor]
     if len(metas) > len(buffers) + limits.max_buffers_per_frame:
         raise MalformedFrame("more tensors announced than the frame can carry")
     if metas:
-        from .codecs import buffer_count, decode_tensor  # deferred: torch loads only for tensors
+        from .codecs import buffer_count, check_message_budget, decode_tensor  # deferred: torch loads only for tensors
+        check_message_budget(metas, buffers, limits)
     tensors, start = [], 0
     for meta in metas:
         count = buffer_count(meta)

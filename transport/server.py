@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RpcConfig
-from .connection import Admit, Connection
+from .connection import Admit, AdmitLocal, Connection
 from .gate import HelloGate
 from .message import Router
 from .ratelimit import PeerCalls, RateLimiter
@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class RpcServer:
-    def __init__(self, router: Router, config: RpcConfig, admit: Admit | None) -> None:
-        self._router, self._config, self._admit = router, config, admit
+    def __init__(self, router: Router, config: RpcConfig, admit: Admit | None,
+                 admit_local: AdmitLocal | None = None) -> None:
+        self._router, self._config, self._admit, self._admit_local = router, config, admit, admit_local
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[Connection] = set()
         self._unix_path: str | None = None
@@ -67,12 +68,14 @@ class RpcServer:
         sock: socket.socket | None = None,
         config: RpcConfig = RpcConfig(),
         admit: Admit | None = None,
+        admit_local: AdmitLocal | None = None,
     ) -> "RpcServer":
         """Listen on a Unix socket at `path`, or on an already bound `sock` (systemd socket
-        activation hands us one); admission can use `RemoteInfo.peercred`."""
+        activation hands us one); admission can use `RemoteInfo.peercred` after the hello, and
+        `admit_local` the same credentials at accept, before the connection takes any slot."""
         if (path is None) == (sock is None):
             raise ValueError("serve_unix takes exactly one of path= and sock=")
-        self = cls(router, config, admit)
+        self = cls(router, config, admit, admit_local)
         loop = asyncio.get_running_loop()
         if path is not None:
             self._unix_path = str(Path(path))
@@ -110,6 +113,7 @@ class RpcServer:
             on_closed=self._connections.discard,
             gate=self._gate,
             limiter=self._limiter,
+            admit_local=self._admit_local,
         )
         self._connections.add(conn)
         return conn

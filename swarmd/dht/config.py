@@ -66,20 +66,41 @@ class DHTConfig:
     max_subkey_bytes: int = 64
     #: A stage announcement is ~100 bytes and a job spec a few KiB.
     max_value_bytes: int = 8192
-    #: Writers kept per key; over it the earliest-expiring one is evicted (a stage rarely has
-    #: more than a few hundred peers).
+    #: Writers kept per key (a stage rarely has more than a few hundred peers); over it a newcomer
+    #: evicts only from the network holding the most subkeys there (see storage.py).
     max_subkeys_per_key: int = 512
+    #: Subkeys of one key stored from one source network: identities are free, addresses are not,
+    #: so one /24 (or one host, or loopback) cannot take more than an eighth of a key. A hand-off
+    #: (a node relaying a key's records) counts against the relayer; the writers' own refreshes
+    #: move each record back to their networks.
+    max_subkeys_per_source: int = 64
+    #: What "one source network" is for the two limits above: the prefix of the address a store's
+    #: connection came from (never a claimed address). An IPv6 /64 is one host's, and a site's
+    #: /48 holds 65536 of them, so IPv6 sources are /48s.
+    source_ipv4_prefix_bits: int = 24
+    source_ipv6_prefix_bits: int = 48
     #: Distinct keys one node holds (records for ~1000 jobs x stages, with room to spare).
     max_keys: int = 65536
     #: Total value+subkey bytes held, so a node's memory use is bounded whatever peers send.
     max_total_bytes: int = 64 * 1024 * 1024
-    #: Records in one store RPC (and returned by one find_value): bounds the work per request.
+    #: Records in one store RPC: bounds the work per request.
     max_records_per_store: int = 64
+    #: Encoded record bytes in one store request or find_value reply. The transport refuses a
+    #: header over 64 KiB (Limits.max_header_bytes), and a reply over it used to fail the whole
+    #: find_value with "internal"; 48 KiB leaves room for the contacts and the map around them.
+    #: A key holding more answers a fair sample (storage.Storage.sample); readers merge replicas.
+    max_message_record_bytes: int = 48 * 1024
     #: Records held on behalf of one origin (signer, or sender of unsigned records), so one peer
     #: flooding us cannot push out everyone else.
     max_records_per_origin: int = 1024
-    #: Stores may not set an expiration further than this into the future (wall clock).
+    #: Stores may not set an expiration further than this into the future (wall clock): the cap
+    #: for open namespaces.
     max_ttl: float = 24 * 3600.0
+    #: The cap for every namespace with the peer rule (stage announcements, job specs, job ends,
+    #: the jobs index): all are announcements re-stored every refresh_interval, so five periods
+    #: survive four lost refreshes, and a slot taken by a writer that stored once and left frees
+    #: within minutes instead of a day. Keep it above announce_ttl.
+    max_announce_ttl: float = 150.0
     #: Contacts returned by find_node/find_value (we read at most this many from a reply).
     max_contacts_per_reply: int = 20
     #: Address string bytes in a contact.
@@ -103,3 +124,10 @@ class DHTConfig:
     #: Pending record hand-offs to newly seen closer nodes (bounded queue; extras wait for the
     #: announcers' next refresh).
     max_pending_handoffs: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.max_announce_ttl > self.refresh_interval:
+            raise ValueError(f"max_announce_ttl ({self.max_announce_ttl:g} s) must exceed refresh_interval "
+                             f"({self.refresh_interval:g} s), or storers drop announcements between refreshes")
+        if self.max_subkeys_per_source < 1:
+            raise ValueError("max_subkeys_per_source must be at least 1, or no network could store anything")

@@ -28,7 +28,7 @@ class DHTProtocolError(DHTError):
 REJECTION_REASONS = (
     "bad_key", "bad_subkey", "value_too_large", "bad_expiration", "expired",  # schema and limits
     "unsigned", "wrong_owner", "bad_signature",  # forgeries
-    "outdated", "quota", "storage_full", "key_full",  # storage policy
+    "outdated", "quota", "source_quota", "storage_full", "key_full",  # storage policy
 )
 
 

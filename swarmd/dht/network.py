@@ -26,11 +26,14 @@ from .errors import DHTProtocolError, PeerTimeout, PeerUnreachable, RemoteFailur
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who sent a request: id and key from the handshake, address they can be reached at (if known)."""
+    """Who sent a request: id and key from the handshake, address they can be reached at (if
+    known, and claimed by them), and `source`, the host the request's connection came from (seen
+    by us, so storage can share a key's slots by network; None only for our own calls)."""
 
     peer_id: bytes
     public_key: bytes
     address: str | None
+    source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,8 @@ class InMemoryNetwork:
             raise PeerUnreachable(f"{address}: connection refused")
         if state == FROZEN or fabric._lost():
             await silent
-        caller = Caller(self._identity.peer_id, self._identity.public_key, self._address)
+        caller = Caller(self._identity.peer_id, self._identity.public_key, self._address,
+                        self._address.rsplit(":", 1)[0].strip("[]"))
         try:
             reply = await target._handler(caller, method, _wire(meta))
         except DHTProtocolError as e:

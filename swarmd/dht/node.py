@@ -28,7 +28,7 @@ from .network import Caller, Network, Reply
 from .records import Record, check_record, key_id, namespace_of, sign_record
 from .routing import Contact, RoutingTable, distance
 from .stats import LookupStats
-from .storage import Storage
+from .storage import Storage, source_of
 
 log = logging.getLogger(__name__)
 
@@ -400,21 +400,22 @@ class DHTNode:
             reply = P.contacts_reply(self.table.nearest(target, cfg.max_contacts_per_reply, include_failing=False))
         elif method == P.FIND_VALUE:
             key = P.parse_find_value(meta, cfg)
-            records = self.storage.get(key, self.clock.time())[: cfg.max_subkeys_per_key]
+            records = self.storage.sample(key, self.clock.time(), cfg.max_message_record_bytes, P.record_wire_bytes)
             nearest = self.table.nearest(key_id(key), cfg.max_contacts_per_reply, include_failing=False)
             reply = P.find_value_reply(records, nearest)
         elif method == P.STORE:
             key, records = P.parse_store(meta, cfg)
-            reply = P.store_reply([self._accept(r, caller.peer_id) for r in records])
+            source = source_of(caller.source, cfg)
+            reply = P.store_reply([self._accept(r, caller.peer_id, source) for r in records])
         else:
             raise DHTProtocolError(f"unknown method {method!r}")
         if caller.address is not None:
             self._saw(caller.peer_id, caller.address)
         return reply
 
-    def _accept(self, record: Record, sender: bytes) -> str:
+    def _accept(self, record: Record, sender: bytes, source: str) -> str:
         try:
-            self.storage.put(record, sender, self.clock.time())
+            self.storage.put(record, sender, self.clock.time(), source)
         except RecordRejected as e:
             self.refused_records[e.reason] = self.refused_records.get(e.reason, 0) + 1
             if e.reason in FORGERY_REASONS:
@@ -496,9 +497,7 @@ class DHTNode:
     async def _handoff_loop(self) -> None:
         while True:
             peer_id, address, key = await self._handoffs.get()
-            records = self.storage.get(key, self.clock.time())
-            for start in range(0, len(records), self.config.max_records_per_store):
-                chunk = records[start: start + self.config.max_records_per_store]
+            for chunk in P.store_batches(self.storage.get(key, self.clock.time()), self.config):
                 try:
                     await self._call(peer_id, address, P.STORE, P.store_request(key, chunk))
                 except (CallFailed, DHTProtocolError) as e:

@@ -140,6 +140,31 @@ def encode_record(r: Record) -> list:
     return [r.subkey, r.value, r.expiration, r.signature, r.public_key]
 
 
+#: msgpack framing of one encoded record at most: the list, four bin headers and a float64.
+RECORD_OVERHEAD_BYTES = 1 + 4 * 5 + 9
+
+
+def record_wire_bytes(r: Record) -> int:
+    """An upper bound on what `encode_record(r)` costs in a msgpack header."""
+    return len(r.subkey) + len(r.value) + len(r.signature) + len(r.public_key) + RECORD_OVERHEAD_BYTES
+
+
+def store_batches(records: list[Record], config: DHTConfig) -> list[list[Record]]:
+    """`records` cut into store requests that each keep to max_records_per_store and to
+    max_message_record_bytes (a record larger than the byte budget alone travels by itself)."""
+    batches: list[list[Record]] = []
+    size = 0
+    for r in records:
+        cost = record_wire_bytes(r)
+        if not batches or len(batches[-1]) >= config.max_records_per_store \
+                or size + cost > config.max_message_record_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(r)
+        size += cost
+    return batches
+
+
 def decode_record(key: bytes, item: Any) -> Record:
     """Shape and types only; sizes, ownership and signatures are records.check_record's job."""
     if not isinstance(item, list) or len(item) != 5:

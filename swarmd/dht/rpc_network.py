@@ -91,7 +91,8 @@ class RpcNetwork:
             raise RpcError(BAD_REQUEST, "the DHT needs an authenticated caller")
         try:
             addr = P.parse_addr(req.meta, self._config) or _announced(req.peer.app)
-            caller = Caller(req.peer.peer_id, req.peer.public_key, _fill_host(addr, req.peer.address))
+            caller = Caller(req.peer.peer_id, req.peer.public_key, _fill_host(addr, req.peer.address),
+                            _seen_host(req.peer.address))
             return Message(meta=await handler(caller, req.method, req.meta))
         except DHTProtocolError as e:
             raise RpcError(BAD_REQUEST, str(e)) from None
@@ -100,6 +101,11 @@ class RpcNetwork:
 def _announced(app: object) -> str | None:
     value = app.get("announce") if isinstance(app, dict) else None
     return value if isinstance(value, str) and ":" in value else None
+
+
+def _seen_host(seen: object) -> str | None:
+    """The host a connection came from (a Unix socket has none: every local caller is one)."""
+    return str(seen[0]) if isinstance(seen, tuple) and seen else "local-socket"
 
 
 def _fill_host(addr: str | None, seen: object) -> str | None:

@@ -72,14 +72,68 @@ def test_expired_records_vanish_from_reads_at_once_and_from_memory_on_prune():
     assert len(s) == 1
 
 
-def test_subkeys_per_key_limit_evicts_the_earliest_expiring():
-    s = Storage(DHTConfig(max_subkeys_per_key=3))
-    for i, ttl in enumerate([30, 10, 20]):
-        s.put(rec(PEERS[i], ttl=ttl), SENDER, NOW)
-    s.put(rec(PEERS[3], ttl=40), SENDER, NOW)
-    assert {r.subkey for r in s.get(KEY, NOW)} == {PEERS[0].peer_id, PEERS[2].peer_id, PEERS[3].peer_id}
+def test_full_key_evicts_the_most_junior_subkey_of_the_largest_network():
+    """Key of 4 slots: network A holds 3 (stored at t, t+1, t+2), B holds 1; a newcomer from C
+    evicts A's most junior, however late any of them expires; a second from C is refused, since
+    then no network holds two more than C."""
+    s = Storage(DHTConfig(max_subkeys_per_key=4))
+    for i in range(3):
+        s.put(rec(PEERS[i], ttl=1000 - i), SENDER, NOW + i, "A")
+    s.put(rec(PEERS[3], ttl=10), SENDER, NOW, "B")
+    s.put(rec(PEERS[4], ttl=5), SENDER, NOW + 3, "C")
+    assert {r.subkey for r in s.get(KEY, NOW + 3)} == {PEERS[i].peer_id for i in (0, 1, 3, 4)}
     with pytest.raises(RecordRejected, match="key_full"):
-        s.put(rec(PEERS[4], ttl=5), SENDER, NOW)
+        s.put(rec(PEERS[5], ttl=5), SENDER, NOW + 3, "C")
+
+
+def test_a_refreshed_record_outlives_newcomers_of_its_own_network():
+    """Everyone on one network (loopback): the first writer keeps refreshing; however many
+    identities come later, with however long expirations, the key refuses them once full."""
+    s = Storage(DHTConfig(max_subkeys_per_key=3, max_subkeys_per_source=8))
+    s.put(rec(PEERS[0], b"honest", ttl=90), SENDER, NOW, "lo")
+    for i in range(1, 6):
+        try:
+            s.put(rec(PEERS[i], ttl=24 * 3600), SENDER, NOW + 1, "lo")
+        except RecordRejected as e:
+            assert e.reason == "key_full"
+        s.put(rec(PEERS[0], b"honest", ttl=90 + i), SENDER, NOW + i, "lo")  # its refresh
+    assert PEERS[0].peer_id in {r.subkey for r in s.get(KEY, NOW + 6)}
+
+
+def test_one_network_holds_at_most_its_quota_of_one_key():
+    s = Storage(DHTConfig(max_subkeys_per_source=2))
+    s.put(rec(PEERS[0]), SENDER, NOW, "A")
+    s.put(rec(PEERS[1]), SENDER, NOW, "A")
+    with pytest.raises(RecordRejected, match="source_quota"):
+        s.put(rec(PEERS[2]), SENDER, NOW, "A")
+    s.put(rec(PEERS[2]), SENDER, NOW, "B")
+    s.put(rec(PEERS[0], ttl=61), SENDER, NOW, "A")  # a refresh is never a new subkey
+    s.put(rec(PEERS[3], key=dht_key("job", "other")), SENDER, NOW, "A")  # quotas are per key
+    assert len(s) == 4
+
+
+def test_expiry_cap_depends_on_the_key_kind():
+    """An announcement key (peer rule) is held max_announce_ttl at most, an open one max_ttl."""
+    cfg = DHTConfig(max_announce_ttl=150.0, max_ttl=3600.0)
+    s = Storage(cfg)
+    s.put(rec(PEERS[0], ttl=24 * 3600), SENDER, NOW)
+    s.put(Record(dht_key("open", "x"), b"k", b"v", NOW + 24 * 3600), SENDER, NOW)
+    assert len(s.get(KEY, NOW + 149)) == 1 and s.get(KEY, NOW + 151) == []
+    assert len(s.get(dht_key("open", "x"), NOW + 3599)) == 1
+    assert s.get(dht_key("open", "x"), NOW + 3601) == []
+
+
+def test_sample_fits_its_budget_and_shares_it_between_networks():
+    """A reads 1 record of A's own and 6 of network B: a budget of 3 records answers A's first
+    and the two most senior of B's, not three of B's."""
+    s = Storage(DHTConfig())
+    for i in range(1, 7):
+        s.put(rec(PEERS[i]), SENDER, NOW + i, "B")
+    s.put(rec(PEERS[0], b"a"), SENDER, NOW + 9, "A")
+    size = rec(PEERS[0], b"a").size()
+    picked = s.sample(KEY, NOW + 10, 3 * size, lambda r: r.size())
+    assert [r.subkey for r in picked] == [PEERS[1].peer_id, PEERS[0].peer_id, PEERS[2].peer_id]
+    assert len(s.sample(KEY, NOW + 10, 10**6, lambda r: r.size())) == 7
 
 
 def test_keys_per_node_limit():
@@ -143,3 +197,9 @@ def test_rejected_store_changes_nothing():
     with pytest.raises(RecordRejected):
         s.put(bad, SENDER, NOW)
     assert (len(s), s.total_bytes) == before
+
+
+def test_an_announcement_cap_below_the_refresh_period_is_a_config_error():
+    with pytest.raises(ValueError, match="max_announce_ttl"):
+        DHTConfig(refresh_interval=200.0)
+    DHTConfig(refresh_interval=200.0, max_announce_ttl=1000.0)

@@ -106,19 +106,22 @@ def test_bool_payload_with_other_bytes_is_refused():
 
 
 def _sparse():
-    return torch.zeros(4096, dtype=torch.float32)
+    """Compresses well, within the lz4 ratio senders keep to (all zeros would go raw)."""
+    values = torch.zeros(4096, dtype=torch.float32)
+    values[::16] = torch.arange(256, dtype=torch.float32)
+    return values
 
 
 def test_lz4_payload_that_inflates_to_more_than_announced_is_refused():
     meta, _ = _good("lz4", _sparse())
-    bigger = lz4.block.compress(bytes(meta["raw"] + 4), store_size=False)
+    bigger = lz4.block.compress(_sparse().numpy().tobytes() + b"more", store_size=False)
     with pytest.raises(CodecError):
         decode_tensor(meta, [bytearray(bigger)])
 
 
 def test_lz4_payload_that_inflates_to_less_than_announced_is_refused():
     meta, _ = _good("lz4", _sparse())
-    smaller = lz4.block.compress(bytes(meta["raw"] - 4), store_size=False)
+    smaller = lz4.block.compress(_sparse().numpy().tobytes()[:-4], store_size=False)
     with pytest.raises(CodecError):
         decode_tensor(meta, [bytearray(smaller)])
 

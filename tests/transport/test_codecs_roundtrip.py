@@ -225,7 +225,7 @@ def test_lz4_sample_decides_before_compressing_the_whole():
     noise = torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8)
     sampled_noise = torch.where(in_sample, noise, 0).to(torch.uint8)
     assert encode_tensor(sampled_noise, "lz4", lz4_sample_bytes=4096)[0]["codec"] == "none"
-    assert encode_tensor(sampled_noise, "lz4", lz4_sample_bytes=size)[0]["codec"] == "lz4"
+    assert encode_tensor(sampled_noise, "lz4", lz4_sample_bytes=size, lz4_max_ratio=255)[0]["codec"] == "lz4"
     sampled_zeros = torch.where(in_sample, 0, noise).to(torch.uint8)
     assert encode_tensor(sampled_zeros, "lz4", lz4_sample_bytes=4096)[0]["codec"] == "none"
 

@@ -64,7 +64,10 @@ async def test_a_flooding_peer_is_limited_while_another_peer_is_served():
         await flood_pool.close()
         flood_pool = Pool(RpcConfig(identity=flooder))
         ok_again, limited_again = await _flood(flood_pool, srv.address, 200)
-        assert ok_again <= 20 * (time.monotonic() - flood_ended) + 2 and limited_again > 0
+        # The bound counts from the start: the server's bucket may have emptied well before the
+        # flooder saw its last reply (flood_ended), so refill is bounded by the whole run, not the
+        # gap after it. A bucket refilled on reconnect would add a second burst (50) over this.
+        assert ok + ok_again <= 50 + 20 * (time.monotonic() - started) + 2 and limited_again > 0
     finally:
         await flood_pool.close()
         await honest_pool.close()
