@@ -31,7 +31,7 @@ from swarmd.jobs.remembered import RememberedStages
 from swarmd.jobs.rebalancing import RebalanceSettings, Rebalancing
 from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
-from swarmd.job.data import GlobLimits
+from swarmd.job.sources import GlobLimits
 from swarmd.stage.limits import StageLimits
 from swarmd.cli import package_version
 from swarmd.config import Address, Config

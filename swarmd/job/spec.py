@@ -17,7 +17,6 @@ from typing import Any, Literal, Mapping
 
 import msgpack
 
-from swarmd.job.data import resolve_sources
 from swarmd.job.errors import SpecError
 from swarmd.model.config import ConfigError, parse_table, parse_value, table_to_dict
 from swarmd.model.registry import UnknownArchitecture, get_architecture
@@ -209,9 +208,9 @@ def parse_toml(text: str) -> JobSpec:
     return JobSpec.from_dict(raw)
 
 
-def load_spec(path: str | Path, check_data: bool = True) -> JobSpec:
-    """Read a spec file; with `check_data`, also make sure its data exists (relative paths and globs
-    are taken from the spec file's directory), as a submitter must before publishing it."""
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a spec file. Its data is not looked for: parsing never walks the
+    filesystem (`swarmd.job.sources.resolve_sources(spec.data, path.parent)` does)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -220,10 +219,7 @@ def load_spec(path: str | Path, check_data: bool = True) -> JobSpec:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError("<spec>", f"cannot read {path}: {exc}") from None
-    spec = parse_toml(text)
-    if check_data:
-        resolve_sources(spec.data, path.parent)
-    return spec
+    return parse_toml(text)
 
 
 def _parse(raw: Any) -> JobSpec:
