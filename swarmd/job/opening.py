@@ -48,10 +48,13 @@ class NotAFile(OSError):
 
 @dataclass(frozen=True)
 class Reader:
-    """Whose permissions decide: a uid and every group it has (primary and supplementary)."""
+    """Whose permissions decide: a uid and every group it has (primary and supplementary).
+    `by_kernel`: the reader is this very process, so the kernel's own checks on each `openat`
+    decide (ACLs and capabilities included) and the walk adds none of its own."""
 
     uid: int
     groups: frozenset[int]
+    by_kernel: bool = False
 
     @classmethod
     def of_user(cls, uid: int, gid: int) -> "Reader":
@@ -67,12 +70,12 @@ class Reader:
     @classmethod
     def this_process(cls) -> "Reader":
         """This process itself: for tools that read their own data (reference trainer, benches)."""
-        return cls(os.geteuid(), frozenset({os.getegid(), *os.getgroups()}))
+        return cls(os.geteuid(), frozenset({os.getegid(), *os.getgroups()}), by_kernel=True)
 
     def may(self, info: os.stat_result, bit: int) -> bool:
         """`bit` is 4 (read) or 1 (search), checked against the owner, group or other triple
         the kernel would pick for this reader. Root may read and search anything."""
-        if self.uid == 0:
+        if self.uid == 0 or self.by_kernel:
             return True
         if info.st_uid == self.uid:
             return bool(info.st_mode & (bit << 6))
@@ -101,6 +104,12 @@ class OpenedFile:
             os.close(self.fd)
             self.fd = -1
 
+    def __enter__(self) -> "OpenedFile":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 class Opener:
     """Resolves paths for one `Reader`; every descriptor it opens it closes, except the ones it
@@ -127,8 +136,7 @@ class Opener:
         try:
             if name is not None:
                 raise NotAFile(errno.ENOTDIR, f"{where} is not a directory")
-            info = os.fstat(chain[-1])
-            if not (self.reader.may(info, 4) and self.reader.may(info, 1)) or _has_acl(chain[-1]):
+            if not (self._allows(chain[-1], 4) and self._allows(chain[-1], 1)):
                 raise AccessDenied(f"uid {self.reader.uid} may not list directory {where}")
             return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=chain[-1])
         finally:
@@ -140,7 +148,7 @@ class Opener:
             checked = os.fstat(probe)
             if not stat.S_ISREG(checked.st_mode):
                 raise NotAFile(errno.EINVAL, f"{where} is not a regular file")
-            if not self.reader.may(checked, 4) or _has_acl(probe):
+            if not self._allows(probe, 4):
                 raise AccessDenied(f"uid {self.reader.uid} may not read {_shown(where, asked)}")
         finally:
             os.close(probe)
@@ -198,8 +206,14 @@ class Opener:
             raise
 
     def _check_search(self, fd: int, names: list[str]) -> None:
-        if not self.reader.may(os.fstat(fd), 1) or _has_acl(fd):
+        if not self._allows(fd, 1):
             raise AccessDenied(f"uid {self.reader.uid} may not enter directory {_text(names)}")
+
+    def _allows(self, fd: int, bit: int) -> bool:
+        """The mode bits of the object `fd` holds grant `bit`, and no ACL could say otherwise."""
+        if not self.reader.may(os.fstat(fd), bit):
+            return False
+        return self.reader.uid == 0 or self.reader.by_kernel or not _has_acl(fd)
 
 
 def _components(text: str) -> list[str]:

@@ -195,22 +195,19 @@ def read_tokens(sources: Sources, max_text_bytes: int = MAX_TEXT_BYTES) -> np.nd
     opener = Opener(sources.reader)
     if sources.tokens is not None:
         return _map_tokens(_reopen(opener, sources.tokens, "data.tokens"))
-    opened: list[OpenedFile] = []
-    try:
-        for path in sources.files:
-            opened.append(_reopen(opener, path, "data.files"))
-        sizes = [f.size() for f in opened]
-        if sum(sizes) > max_text_bytes:
-            raise SpecError("data.files", f"{sum(sizes)} bytes of text exceed max_text_bytes ({max_text_bytes}); "
-                                          "pre-tokenize into a .bin file for data.tokens")
-        stream = np.empty(sum(sizes), dtype=np.uint8)
-        offset = 0
-        for file, size in zip(opened, sizes):
+    sizes = []
+    for path in sources.files:  # one descriptor at a time: a daemon's soft fd limit may be 1024
+        with _reopen(opener, path, "data.files") as file:
+            sizes.append(file.size())
+    if sum(sizes) > max_text_bytes:
+        raise SpecError("data.files", f"{sum(sizes)} bytes of text exceed max_text_bytes ({max_text_bytes}); "
+                                      "pre-tokenize into a .bin file for data.tokens")
+    stream = np.empty(sum(sizes), dtype=np.uint8)
+    offset = 0
+    for path, size in zip(sources.files, sizes):  # a file grown since is read up to its size then
+        with _reopen(opener, path, "data.files") as file:
             offset += _read_into(file.fd, memoryview(stream)[offset: offset + size])
-        return stream[:offset]
-    finally:
-        for file in opened:
-            file.close()
+    return stream[:offset]
 
 
 def _reopen(opener: Opener, path: Path, field_name: str) -> OpenedFile:

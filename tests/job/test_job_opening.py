@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -171,3 +172,44 @@ def test_group_and_supplementary_groups_grant_like_the_kernel(att):
     with pytest.raises(AccessDenied):
         named_sources([str(f)], False, NOBODY)
     assert read_tokens(named_sources([str(f)], False, Reader(65534, frozenset({65534, 4242})))).tobytes() == b"group text"
+
+
+@needs_root
+def test_a_file_swapped_between_the_check_and_the_open_is_refused(att, monkeypatch):
+    """Steps: the checked name is replaced (rename over it) by a 0600 secret in the instant between
+    the walk's permission check and its open for reading (os.open patched to do the swap first).
+    Expected: refused as changed: the descriptor read from must be the inode checked."""
+    import swarmd.job.opening as opening
+
+    secret = att / "secret"
+    secret.write_bytes(b"root only\n")
+    secret.chmod(0o600)
+    public(att / "data.txt")
+    real_open = os.open
+
+    def swapping_open(path, flags, *args, **kwargs):
+        if flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_PATH and path == "data.txt":
+            os.rename(secret, att / "data.txt")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(opening.os, "open", swapping_open)
+    with pytest.raises(NotAFile, match="changed while it was being opened"):
+        Opener(NOBODY).open_file(att / "data.txt")
+
+
+@needs_root
+def test_a_file_whose_acl_denies_what_its_mode_grants_is_refused(att):
+    """Steps: a 0644 file with a POSIX access ACL entry `user:nobody:---` (written as the kernel's
+    xattr, no setfacl needed); the kernel refuses nobody although the mode's `other` bits allow.
+    Expected: refused too (an ACL'd object is never judged by its mode bits alone)."""
+    f = public(att / "acl.txt")
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 6, undefined), (0x02, 0, 65534), (0x04, 4, undefined), (0x10, 4, undefined), (0x20, 4, undefined)]
+    try:
+        os.setxattr(f, "system.posix_acl_access",
+                    struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
+    except OSError as exc:
+        pytest.skip(f"no POSIX ACLs on this filesystem: {exc}")
+    assert oct(f.stat().st_mode & 0o777) == "0o644"
+    with pytest.raises(AccessDenied, match=r"may not read .*/acl\.txt"):
+        named_sources([str(f)], False, NOBODY)
