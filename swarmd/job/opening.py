@@ -121,20 +121,21 @@ class Opener:
     def open_file(self, path: str | Path) -> OpenedFile:
         """The regular file `path` (absolute) names, opened for reading; raises `AccessDenied`
         or `NotAFile`."""
-        chain, name, where = self._walk(str(path))
+        chain, leaf, where = self._walk(str(path))
         try:
-            if name is None:
+            if leaf is None:
                 raise NotAFile(errno.EISDIR, f"{where} is a directory, not a file")
-            return self._open_leaf(chain[-1], name, where, str(path))
+            return self._open_leaf(chain[-1], leaf, where, str(path))
         finally:
             _close_all(chain)
 
     def open_dir(self, path: str | Path) -> int:
         """A readable descriptor of the directory `path` names, for listing: the reader needs
         read and search permission on it. The caller closes it."""
-        chain, name, where = self._walk(str(path))
+        chain, leaf, where = self._walk(str(path))
         try:
-            if name is not None:
+            if leaf is not None:
+                os.close(leaf[1])
                 raise NotAFile(errno.ENOTDIR, f"{where} is not a directory")
             if not (self._allows(chain[-1], 4) and self._allows(chain[-1], 1)):
                 raise AccessDenied(f"uid {self.reader.uid} may not list directory {where}")
@@ -142,8 +143,8 @@ class Opener:
         finally:
             _close_all(chain)
 
-    def _open_leaf(self, parent: int, name: str, where: str, asked: str) -> OpenedFile:
-        probe = os.open(name, _PATH_FLAGS, dir_fd=parent)
+    def _open_leaf(self, parent: int, leaf: tuple[str, int], where: str, asked: str) -> OpenedFile:
+        name, probe = leaf  # the O_PATH descriptor the walk ended on: what is checked
         try:
             checked = os.fstat(probe)
             if not stat.S_ISREG(checked.st_mode):
@@ -162,9 +163,9 @@ class Opener:
             raise NotAFile(errno.ESTALE, f"{where} changed while it was being opened")
         return OpenedFile(Path(where), fd)
 
-    def _walk(self, text: str) -> tuple[list[int], str | None, str]:
-        """Directory descriptors from `/` to the last directory reached, the final name when it is
-        not a directory (None when it is), and the resolved path as text."""
+    def _walk(self, text: str) -> tuple[list[int], tuple[str, int] | None, str]:
+        """Directory descriptors from `/` to the last directory reached; the final name and its
+        `O_PATH` descriptor when it is not a directory (None when it is); the resolved path."""
         if not text.startswith("/"):
             raise NotAFile(errno.EINVAL, f"{text} is not an absolute path")
         chain, names = [os.open("/", _PATH_FLAGS | os.O_DIRECTORY)], []
@@ -196,10 +197,10 @@ class Opener:
                         del chain[1:], names[:]
                     pending.extend(_components(target))
                     continue
-                os.close(fd)
-                if pending and any(p not in ("", ".") for p in pending):
+                if pending:
+                    os.close(fd)
                     raise NotAFile(errno.ENOTDIR, f"{_text([*names, part])} is not a directory")
-                return chain, part, _text([*names, part])
+                return chain, (part, fd), _text([*names, part])
             return chain, None, _text(names)
         except BaseException:
             _close_all(chain)
