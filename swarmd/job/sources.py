@@ -26,7 +26,7 @@ import numpy as np
 
 from swarmd.job.data import MAX_TEXT_BYTES, TOKEN_DTYPE, TokenDataset, TrainingData
 from swarmd.job.errors import SpecError
-from swarmd.job.opening import NotAFile, OpenedFile, Opener, Reader
+from swarmd.job.opening import AccessDenied, NotAFile, OpenedFile, Opener, Reader
 from swarmd.job.spec import BatchSpec, DataSpec
 
 STDLIB_PLACEHOLDER = "{stdlib}"
@@ -78,6 +78,7 @@ class _GlobWalk:
     def __init__(self, limits: GlobLimits, opener: Opener) -> None:
         self.limits, self.opener = limits, opener
         self.entries = 0
+        self.refused: AccessDenied | None = None  # the first listing refused, for the "no files" message
 
     def matches(self, expanded: str, pattern: str) -> Iterator[str]:
         """Candidate paths for `expanded`; `pattern` (as the spec wrote it) is for messages."""
@@ -107,7 +108,10 @@ class _GlobWalk:
     def _listing(self, here: str, pattern: str) -> list[os.DirEntry]:
         try:
             fd = self.opener.open_dir(here)
-        except OSError:  # not a directory, gone, or not the reader's to list: no matches there
+        except AccessDenied as exc:  # not the reader's to list: no matches there, as with its glob
+            self.refused = self.refused or exc
+            return []
+        except OSError:  # not a directory, or gone
             return []
         listing: list[os.DirEntry] = []
         try:
@@ -165,7 +169,8 @@ def resolve_sources(data: DataSpec, base_dir: str | Path, limits: GlobLimits = G
                 raise SpecError("data.files", f"{pattern!r} matches more than {limits.max_files} files "
                                               "(jobs.data_max_files); pre-tokenize them into data.tokens")
         if not matched:
-            raise SpecError("data.files", f"{pattern!r} matches no files (from {base_dir})")
+            why = f"; {walk.refused}" if walk.refused else ""
+            raise SpecError("data.files", f"{pattern!r} matches no files (from {base_dir}){why}")
     return Sources(files=tuple(sorted(set(found.values()))), reader=reader)
 
 

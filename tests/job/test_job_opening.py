@@ -72,6 +72,8 @@ def test_symlink_into_a_0700_directory_is_refused(att):
         named_sources([str(att / "inlink")], False, NOBODY)
     with pytest.raises(AccessDenied, match="may not enter directory"):
         resolve_sources(DataSpec(seq_len=2, files=("in*",)), att, reader=NOBODY)
+    with pytest.raises(SpecError, match=r"'priv/pub/\*' matches no files .*; uid 65534 may not enter directory .*/priv$"):
+        resolve_sources(DataSpec(seq_len=2, files=("priv/pub/*",)), att, reader=NOBODY)
     assert read_tokens(named_sources([str(att / "inlink")], False, Reader(0, frozenset({0})))).tobytes().startswith(b"behind")
 
 
