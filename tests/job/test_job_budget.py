@@ -94,3 +94,14 @@ def test_the_default_limit_is_half_the_machine_split_among_max_stages() -> None:
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert default_stage_memory("cpu", 4) == int(ram * 0.5) // 4
     assert default_stage_memory("cpu", 0) == int(ram * 0.5)
+
+
+def test_on_cuda_the_default_is_half_the_gpus_memory(monkeypatch) -> None:
+    """No GPU here: the device's properties are stood in for (the only mocked part)."""
+    from types import SimpleNamespace
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: asked.append(index) or SimpleNamespace(total_memory=80 * 2**30))
+    assert default_stage_memory("cuda:1", 4) == 10 * 2**30 and asked == [1]
+    assert default_stage_memory("cuda", 2) == 20 * 2**30 and asked == [1, 0]
