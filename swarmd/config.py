@@ -404,6 +404,12 @@ class JobsSection:
     max_stages: int = setting(
         4, _int_kind(0), "stages of all jobs this daemon hosts at once (job.serve beyond it is refused); 0 serves none",
     )
+    max_stage_memory: int = setting(
+        0, _int_kind(0),
+        "bytes one served stage may need by its job spec's estimate (weights, gradients, optimizer state, "
+        "activations at the spec's batch); a larger stage is refused with the estimate in the reason; 0: half "
+        "of this machine's RAM (of the GPU's memory when serving on CUDA) divided among max_stages",
+    )
     directory_ttl_s: float = setting(
         1.0, _float_kind(0.0),
         "how long a DHT read of a stage's peers is reused; announcements change only at their refresh",
@@ -412,10 +418,10 @@ class JobsSection:
         1, _int_kind(1), "torch threads per served stage's compute workers; raise on a big CPU host",
     )
     serve: str | frozenset[str] = setting(
-        "all", SERVE_RULE,
-        "a daemon is run to lend its compute to the swarm it joins, so it joins accepted jobs' stages on "
-        "its own (within max_stages); \"none\" for a host that only submits or trains, or name the jobs "
-        "(by name or submitter key) it is meant for",
+        "none", SERVE_RULE,
+        "which jobs' stages this daemon joins on its own (within max_stages and max_stage_memory): none by "
+        "default, since any identity in the swarm may publish a job; \"all\" lends this machine to every "
+        "accepted job (pair it with accept_jobs_from or a swarm key), or name the jobs (by name or submitter key)",
     )
     join_interval_s: float = setting(
         5.0, _float_kind(0.1),

@@ -31,7 +31,7 @@ from swarmd.jobs.remembered import RememberedStages
 from swarmd.jobs.rebalancing import RebalanceSettings, Rebalancing
 from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
-from swarmd.job.data import GlobLimits
+from swarmd.job.sources import GlobLimits
 from swarmd.stage.limits import StageLimits
 from swarmd.version import package_version
 from swarmd.config import Address, Config
@@ -242,7 +242,7 @@ class Daemon:
         self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,
                                address=str(self.announce), device=self.device, state_dir=cfg.daemon.state_dir,
                                limits=StageLimits(torch_threads=cfg.jobs.torch_threads),
-                               max_stages=cfg.jobs.max_stages)
+                               max_stages=cfg.jobs.max_stages, max_stage_memory=cfg.jobs.max_stage_memory)
         closers.append(("served stages", self.serving.close))
         self.training = Training(self.pool, directory)
         closers.append(("trainers", self.training.close))

@@ -151,6 +151,7 @@ def render(curves: Sequence[LossCurve], path: Path, title: str, marks: Sequence[
 def plot_command(args: argparse.Namespace) -> int:
     """Fetch (or read) the events, train or read the baseline, draw; the exit status."""
     from swarmd.job.errors import DataError, SpecError
+    from swarmd.job.sources import resolve_sources
     from swarmd.job.spec import load_spec
 
     want_baseline = not args.no_baseline
@@ -158,7 +159,9 @@ def plot_command(args: argparse.Namespace) -> int:
         return _fail(args, "the baseline of recorded events needs the job's spec: give --spec JOB.toml "
                            "(or --no-baseline)")
     try:
-        spec = load_spec(args.spec, check_data=args.baseline is None) if args.spec else None
+        spec = load_spec(args.spec) if args.spec else None
+        if spec is not None and args.baseline is None:
+            resolve_sources(spec.data, args.spec.parent)  # before fetching anything: say so now
     except (SpecError, DataError) as exc:
         return _fail(args, f"{args.spec}: {exc}")
     base_dir = args.spec.resolve().parent if args.spec else Path.cwd()

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from swarmd.job.data import TrainingData, open_training_data
+from swarmd.job.data import TrainingData
+from swarmd.job.sources import open_training_data
 from swarmd.job.errors import DataError, SpecError
 from swarmd.job.spec import JobSpec, load_spec
 from swarmd.model.composed import ComposedModel, build_reference

@@ -11,26 +11,16 @@ see exactly the samples the swarm saw.
 
 from __future__ import annotations
 
-import fnmatch
-import glob
-import os
-import sysconfig
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from swarmd.job.errors import DataError, SpecError
-
-if TYPE_CHECKING:
-    from swarmd.job.spec import BatchSpec, DataSpec
+from swarmd.job.spec import BatchSpec
 
 # Text files are loaded into memory; past this, pre-tokenize them into a memory-mapped `.bin` file.
 MAX_TEXT_BYTES = 1 << 30
-STDLIB_PLACEHOLDER = "{stdlib}"
 TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin layout
 
 
@@ -46,148 +36,6 @@ class ByteTokenizer:
 
     def decode(self, tokens: np.ndarray | torch.Tensor | list[int]) -> bytes:
         return bytes(np.asarray(tokens, dtype=np.uint8))
-
-
-@dataclass(frozen=True)
-class Sources:
-    """Where a spec's data lives on this machine: text files, or one token file."""
-
-    files: tuple[Path, ...] = ()
-    tokens: Path | None = None
-
-
-def expand_path(pattern: str, base_dir: Path) -> str:
-    """`{stdlib}` becomes Python's standard library directory; relative paths start at `base_dir`."""
-    pattern = pattern.replace(STDLIB_PLACEHOLDER, sysconfig.get_paths()["stdlib"])
-    return str(Path(base_dir, os.path.expanduser(pattern)))
-
-
-@dataclass(frozen=True)
-class GlobLimits:
-    """Bounds on expanding a spec's `data.files` patterns, all patterns of one spec together.
-
-    A pattern comes from whoever submits the job: `/**/*` would walk the daemon's whole filesystem
-    (through directories only the daemon may list) and match millions of files, so the walk stops
-    with a `SpecError` on `data.files` as soon as either bound is passed, before anything is read.
-    A training set of more files than this belongs in a pre-tokenized `data.tokens` file."""
-
-    max_files: int = 4096  # distinct regular files matched
-    max_entries: int = 50_000  # directory entries looked at while matching
-
-    def __post_init__(self) -> None:
-        if self.max_files < 1 or self.max_entries < 1:
-            raise ValueError("GlobLimits needs max_files >= 1 and max_entries >= 1")
-
-
-class _GlobWalk:
-    """glob's rules (`*`, `?`, `[...]` within a name, `**` for any depth, names starting with a
-    dot only matched by patterns that start with one), walked by hand so every directory entry
-    is counted. Unlike glob, `**` does not descend into symlinked directories: a link loop or a
-    link to `/` cannot multiply the walk. Only the listings along the current path are held, so
-    memory follows the tree's depth, not its size; a directory listed by two parts of a pattern
-    (`**/*.py`) or by two patterns counts twice against `max_entries`."""
-
-    def __init__(self, limits: GlobLimits) -> None:
-        self.limits = limits
-        self.entries = 0
-
-    def matches(self, expanded: str, pattern: str) -> Iterator[Path]:
-        """Candidate paths for `expanded`; `pattern` (as the spec wrote it) is for messages."""
-        path = Path(expanded)
-        parts = path.parts[1:] if path.is_absolute() else path.parts
-        yield from self._walk(Path(path.anchor) if path.is_absolute() else Path(), parts, pattern)
-
-    def _walk(self, here: Path, parts: tuple[str, ...], pattern: str) -> Iterator[Path]:
-        if not parts:
-            yield here
-            return
-        head, rest = parts[0], parts[1:]
-        if head == "**":
-            yield from self._walk(here, rest, pattern)
-            for entry in self._listing(here, pattern):
-                if entry.name.startswith("."):
-                    continue
-                if not rest:
-                    yield here / entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    yield from self._walk(here / entry.name, parts, pattern)
-        elif glob.has_magic(head):
-            for entry in self._listing(here, pattern):
-                if fnmatch.fnmatchcase(entry.name, head) and (head.startswith(".") or not entry.name.startswith(".")):
-                    yield from self._walk(here / entry.name, rest, pattern)
-        else:
-            yield from self._walk(here / head, rest, pattern)
-
-    def _listing(self, here: Path, pattern: str) -> list[os.DirEntry]:
-        try:
-            with os.scandir(here) as it:
-                listing = []
-                for entry in it:
-                    self.entries += 1
-                    if self.entries > self.limits.max_entries:
-                        raise SpecError("data.files", f"{pattern!r} looks at more than {self.limits.max_entries} "
-                                                      "directory entries (jobs.data_max_entries); name the files "
-                                                      "more precisely, or pre-tokenize them into data.tokens")
-                    listing.append(entry)
-                return listing
-        except OSError:  # not a directory, gone, or not ours to list: no matches there, as with glob
-            return []
-
-
-def _is_file(path: Path) -> bool:
-    """Path.is_file, but a path we may not even stat (EACCES, e.g. /proc/1/cwd) is simply no file."""
-    try:
-        return path.is_file()
-    except OSError:
-        return False
-
-
-def resolve_sources(data: "DataSpec", base_dir: str | Path, limits: GlobLimits = GlobLimits()) -> Sources:
-    """The concrete files behind a data spec; raises `SpecError` naming the field when any is
-    missing or when `data.files` expands past `limits`. It walks the filesystem: call it off
-    the event loop."""
-    base = Path(base_dir)
-    if data.tokens is not None:
-        path = Path(expand_path(data.tokens, base))
-        if not path.is_file():
-            raise SpecError("data.tokens", f"{path} is not a file")
-        return Sources(tokens=path)
-    found: set[Path] = set()
-    walk = _GlobWalk(limits)
-    for pattern in data.files or ():
-        matched = False
-        for path in walk.matches(expand_path(pattern, base), pattern):
-            if path in found or not _is_file(path):
-                matched = matched or path in found
-                continue
-            matched = True
-            found.add(path)
-            if len(found) > limits.max_files:
-                raise SpecError("data.files", f"{pattern!r} matches more than {limits.max_files} files "
-                                              "(jobs.data_max_files); pre-tokenize them into data.tokens")
-        if not matched:
-            raise SpecError("data.files", f"{pattern!r} matches no files (from {base})")
-    return Sources(files=tuple(sorted(found)))
-
-
-def read_tokens(sources: Sources, max_text_bytes: int = MAX_TEXT_BYTES) -> np.ndarray:
-    """The whole token stream: uint8 bytes of the files in path order, or the memory-mapped .bin."""
-    if sources.tokens is not None:
-        size = sources.tokens.stat().st_size
-        if size % TOKEN_DTYPE.itemsize or size == 0:
-            raise SpecError("data.tokens", f"{sources.tokens} is {size} bytes, not a whole number of uint16 tokens")
-        return np.memmap(sources.tokens, dtype=TOKEN_DTYPE, mode="r")
-    total = sum(path.stat().st_size for path in sources.files)
-    if total > max_text_bytes:
-        raise SpecError("data.files", f"{total} bytes of text exceed max_text_bytes ({max_text_bytes}); "
-                                      "pre-tokenize into a .bin file for data.tokens")
-    stream = np.empty(total, dtype=np.uint8)
-    offset = 0
-    for path in sources.files:
-        chunk = ByteTokenizer().encode(path.read_bytes())[: total - offset]
-        stream[offset: offset + len(chunk)] = chunk
-        offset += len(chunk)
-    return stream[:offset]
 
 
 class TokenDataset:
@@ -273,7 +121,7 @@ class Microbatch:
 class TrainingData:
     """A job's dataset and order together: what a trainer (or the reference) pulls microbatches from."""
 
-    def __init__(self, dataset: TokenDataset, batch: "BatchSpec", seed: int) -> None:
+    def __init__(self, dataset: TokenDataset, batch: BatchSpec, seed: int) -> None:
         self.dataset = dataset
         self.sampler = BatchSampler(len(dataset), batch.global_samples, batch.microbatch_samples, seed)
 
@@ -281,9 +129,3 @@ class TrainingData:
         indices = self.sampler.microbatch_indices(step, index)
         inputs, targets = self.dataset.samples(indices)
         return Microbatch(self.sampler.microbatch_id(step, index), step, index, indices, inputs, targets)
-
-
-def open_training_data(data: "DataSpec", batch: "BatchSpec", vocab: int, seed: int, base_dir: str | Path,
-                       max_text_bytes: int = MAX_TEXT_BYTES) -> TrainingData:
-    tokens = read_tokens(resolve_sources(data, base_dir), max_text_bytes)
-    return TrainingData(TokenDataset(tokens, data.seq_len, vocab), batch, seed)

@@ -17,7 +17,6 @@ from typing import Any, Literal, Mapping
 
 import msgpack
 
-from swarmd.job.data import resolve_sources
 from swarmd.job.errors import SpecError
 from swarmd.model.config import ConfigError, parse_table, parse_value, table_to_dict
 from swarmd.model.registry import UnknownArchitecture, get_architecture
@@ -30,6 +29,51 @@ _MAX_SEED = 2**63 - 1  # msgpack and torch generators both take it
 # Each CenteredClip iteration is a pass over every gradient part a reducer holds, on every step;
 # a spec from the DHT must not make serving daemons spin. A handful already converge (robust.py).
 MAX_CLIP_ITERATIONS = 100
+
+@dataclass(frozen=True)
+class Limit:
+    """An upper bound on one spec field: its constant's name, value, and why it is there."""
+
+    name: str
+    value: int | float
+    why: str
+
+
+#: Upper bounds on every numeric field, checked once a spec has parsed (`check_limits`). A spec may
+#: come from any peer of the swarm, and every daemon reading it loops over some counts, sizes tensors
+#: by others and keeps state for the rest, so each is bounded well above any real run and far below
+#: what would exhaust a daemon. What a stage costs in memory is bounded separately, per daemon
+#: (`jobs.max_stage_memory`, swarmd.job.budget): these limits only keep every number sane.
+LIMITS: dict[str, Limit] = {
+    "steps": Limit("MAX_STEPS", 100_000_000, "three years at a step a second; keeps step x microbatch ids "
+                                             "below 2^53, exact in every number type they cross"),
+    "data.seq_len": Limit("MAX_SEQ_LEN", 65_536, "tokens per sample; attention scores grow with its square"),
+    "data.files": Limit("MAX_DATA_PATTERNS", 64, "patterns one spec lists; each is walked on the submitter's daemon"),
+    "batch.global_samples": Limit("MAX_GLOBAL_SAMPLES", 1 << 20, "samples per step; a trainer permutes "
+                                                                "the dataset in units of it"),
+    "batch.microbatch_samples": Limit("MAX_MICROBATCH_SAMPLES", 4096, "samples one forward/backward call carries"),
+    "batch.microbatches_per_step": Limit("MAX_MICROBATCHES_PER_STEP", 65_536, "a trainer loops over a step's "
+                                                                           "microbatches; stages track their ids"),
+    "model.d_model": Limit("MAX_D_MODEL", 32_768, "twice the widest public language models"),
+    "model.n_heads": Limit("MAX_HEADS", 1024, "attention heads per layer"),
+    "model.d_ff": Limit("MAX_D_FF", 131_072, "4 x MAX_D_MODEL"),
+    "model.layers_per_stage": Limit("MAX_LAYERS_PER_STAGE", 1024, "blocks a stage's forward loops over"),
+    "model.vocab": Limit("MAX_VOCAB", 65_536, "a data.tokens file holds uint16 ids, so no data has a larger id"),
+    "model.max_seq_len": Limit("MAX_SEQ_LEN", 65_536, "rows of the position embedding"),
+    "optim.lr": Limit("MAX_LR", 10.0, "past any rate that trains; a typo here wastes every stage's steps"),
+    "optim.eps": Limit("MAX_EPS", 1.0, "Adam's denominator floor; larger disables the adaptive step"),
+    "optim.weight_decay": Limit("MAX_WEIGHT_DECAY", 10.0, "decay per unit of lr; larger erases the weights"),
+    "optim.warmup_steps": Limit("MAX_STEPS", 100_000_000, "as steps"),
+    "optim.clip_norm": Limit("MAX_CLIP_NORM", 1e9, "finite; 0 turns clipping off"),
+    "optim.clip_tau": Limit("MAX_CLIP_TAU", 1e9, "finite"),
+    "optim.outlier_factor": Limit("MAX_OUTLIER_FACTOR", 1e9, "finite"),
+    "pipeline.stages": Limit("MAX_STAGES", 64, "every job.get, status and joining tick reads one DHT key per "
+                                               "stage; deeper than any SWARM run"),
+    "pipeline.microbatches_in_flight": Limit("MAX_IN_FLIGHT", 256, "a trainer holds each one's tensors until "
+                                                                   "its backward returns"),
+    "checkpoint.every_steps": Limit("MAX_STEPS", 100_000_000, "as steps"),
+}
+
 
 Codec = Literal["none", "fp16", "lz4", "fp16+lz4", "int8"]
 # How each stage's all-reduce combines its members' gradients (swarmd/stage/robust.py); the names
@@ -209,9 +253,9 @@ def parse_toml(text: str) -> JobSpec:
     return JobSpec.from_dict(raw)
 
 
-def load_spec(path: str | Path, check_data: bool = True) -> JobSpec:
-    """Read a spec file; with `check_data`, also make sure its data exists (relative paths and globs
-    are taken from the spec file's directory), as a submitter must before publishing it."""
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a spec file. Its data is not looked for: parsing never walks the
+    filesystem (`swarmd.job.sources.resolve_sources(spec.data, path.parent)` does)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -220,10 +264,7 @@ def load_spec(path: str | Path, check_data: bool = True) -> JobSpec:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError("<spec>", f"cannot read {path}: {exc}") from None
-    spec = parse_toml(text)
-    if check_data:
-        resolve_sources(spec.data, path.parent)
-    return spec
+    return parse_toml(text)
 
 
 def _parse(raw: Any) -> JobSpec:
@@ -247,7 +288,28 @@ def _parse(raw: Any) -> JobSpec:
         raise SpecError("steps", "must be at least 1")
     sections = {key: parse_table(cls, raw.get(key, {}), key) for key, cls in _SECTIONS.items()}
     model = _parse_model(raw["model"], sections["data"])
-    return JobSpec(name=name, seed=seed, steps=steps, model=model, **sections)
+    spec = JobSpec(name=name, seed=seed, steps=steps, model=model, **sections)
+    check_limits(spec)
+    return spec
+
+
+def check_limits(spec: JobSpec) -> None:
+    """Raise `SpecError` naming the first field past its `LIMITS` entry. A model field is checked
+    when the architecture's config has it (transformer-lm has them all; a plugin's own fields are
+    its own to bound)."""
+    for dotted, limit in LIMITS.items():
+        value = _field_value(spec, dotted)
+        if value is not None and value > limit.value:
+            raise SpecError(dotted, f"is {value}, over {limit.name} ({limit.value}): {limit.why}")
+
+
+def _field_value(spec: JobSpec, dotted: str) -> int | float | None:
+    section, _, name = dotted.rpartition(".")
+    holder = spec.model.config if section == "model" else getattr(spec, section) if section else spec
+    value = getattr(holder, name, None)
+    if isinstance(value, tuple):  # data.files: the count of patterns
+        return len(value)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _parse_model(raw: Any, data: DataSpec) -> ModelSpec:

@@ -27,10 +27,10 @@ import msgpack
 
 from swarmd.dht import dht_key
 from swarmd.errors import LocalError
-from swarmd.jobs.access import AccessDenied, check_readable
 from swarmd.jobs.ending import JobEnd, end_key, submitters_end
-from swarmd.job import JobSpec, SpecError, resolve_sources
-from swarmd.job.data import GlobLimits, Sources
+from swarmd.job import JobSpec, SpecError
+from swarmd.job.opening import AccessDenied, Reader
+from swarmd.job.sources import GlobLimits, Sources, named_sources, resolve_sources
 from transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,6 @@ FINAL_STATES = frozenset({"done", "cancelled", "failed"})
 MAX_EVENTS = 1000
 #: Jobs one submitter may list in the `jobs` index (bounds the record and what readers decode).
 MAX_JOBS_PER_SUBMITTER = 64
-#: Data paths one submission may name.
-MAX_DATA_PATHS = 256
 #: Job ids remembered as refused by `accept_from` (so `find` can say why, and refresh skips them).
 MAX_REFUSED_JOBS = 1024
 #: (job, forger) pairs remembered so a forged end record is logged once, not at every refresh.
@@ -143,38 +141,25 @@ class JobRegistry:
 
     def _readable_sources(self, spec: JobSpec, data: Sequence[str], base: str | None,
                           peercred: tuple[int, int, int] | None) -> Sources:
-        try:
-            sources = self._sources(spec, data, base)
-        except SpecError as exc:
-            raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
+        """The job's data as the connecting user (SO_PEERCRED) may open it: every path walked
+        and checked by `swarmd.job.opening`, never judged by its text. `data` paths (from
+        `swarmctl submit --data`) replace the spec's own; otherwise the spec's relative paths
+        start at `base`, the spec file's directory as swarmctl resolved it."""
         if peercred is None:
             raise JobRequestError("forbidden", "no peer credentials: cannot tell whose data this is")
+        reader = Reader.of_user(peercred[1], peercred[2])
         try:
-            check_readable([*sources.files, *([sources.tokens] if sources.tokens else [])], peercred[1], peercred[2])
+            if data:
+                return named_sources(data, spec.data.tokens is not None, reader)
+            if base is not None and not Path(base).is_absolute():
+                raise SpecError("base", f"{base} is not an absolute directory")
+            return resolve_sources(spec.data, base or "/", self.glob_limits, reader)
+        except SpecError as exc:
+            raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
         except AccessDenied as exc:
             raise JobRequestError("forbidden", f"data: {exc}") from None
         except OSError as exc:
             raise JobRequestError("bad_request", f"data: {exc}") from None
-        return sources
-
-    def _sources(self, spec: JobSpec, data: Sequence[str], base: str | None) -> Sources:
-        """`data` paths (from `swarmctl submit --data`) replace the spec's own; otherwise the spec's
-        relative paths start at `base`, the spec file's directory as swarmctl resolved it."""
-        if len(data) > MAX_DATA_PATHS:
-            raise SpecError("data", f"{len(data)} paths, over MAX_DATA_PATHS ({MAX_DATA_PATHS})")
-        if data:
-            paths = [Path(p) for p in data]
-            for p in paths:
-                if not p.is_absolute() or not p.is_file():
-                    raise SpecError("data", f"{p} is not an absolute path to a file")
-            if spec.data.tokens is not None:
-                if len(paths) != 1:
-                    raise SpecError("data.tokens", "a token-file job takes exactly one --data file")
-                return Sources(tokens=paths[0])
-            return Sources(files=tuple(sorted(set(paths))))
-        if base is not None and not Path(base).is_absolute():
-            raise SpecError("base", f"{base} is not an absolute directory")
-        return resolve_sources(spec.data, base or "/", self.glob_limits)
 
     def _publish(self, job: Job) -> None:
         value = job.spec.to_msgpack()

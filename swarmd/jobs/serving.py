@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmd.dht.errors import DHTError
+from swarmd.job.budget import check_stage_fits, default_stage_memory
 from swarmd.jobs.directory import announcement_value, stage_key
 from swarmd.jobs.moving import JOINING, MOVES_KEPT, MoveRecord, Moving, serving_peers
 from swarmd.rebalance.mover import MoveFailed
@@ -43,10 +44,11 @@ class Served:
 
 class Serving:
     def __init__(self, dht: Any, router: Any, pool: Any, directory: Any, *, peer_id: bytes, address: str,
-                 device: str, state_dir: Path, limits: StageLimits, max_stages: int) -> None:
+                 device: str, state_dir: Path, limits: StageLimits, max_stages: int, max_stage_memory: int = 0) -> None:
         self.dht, self.router, self.pool, self.directory = dht, router, pool, directory
         self.peer_id, self.address, self.device = peer_id, address, device
         self.state_dir, self.limits, self.max_stages = state_dir, limits, max_stages
+        self.max_stage_memory = max_stage_memory or default_stage_memory(device, max_stages)
         self.served: dict[tuple[bytes, int], Served] = {}
         self._joins = asyncio.Lock()
         self.moving: dict[bytes, Moving] = {}  # job id -> the rebalancing move under way
@@ -63,6 +65,7 @@ class Serving:
             return self.served[(job_id, stage)].service
         if len(self.served) >= self.max_stages:
             raise ValueError(f"already serving {len(self.served)} stages (jobs.max_stages = {self.max_stages})")
+        check_stage_fits(spec, stage, self.max_stage_memory, microbatches_at_once=self.limits.max_batch * self.limits.workers)
         service = StageService(spec, job_id, stage, self.peer_id, self.router, self.pool, self.directory,
                                address=self.address, device=self.device, limits=job_limits(self.limits, spec),
                                state_dir=self.state_dir)

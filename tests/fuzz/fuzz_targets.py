@@ -31,7 +31,8 @@ from swarmd.dht.records import dht_key, namespace_of, sign_record, check_record
 from swarmd.dht.routing import Contact
 from swarmd.dht.storage import Storage
 from swarmd.job.errors import SpecError
-from swarmd.job.spec import JobSpec, parse_toml
+from swarmd.job.budget import stage_memory
+from swarmd.job.spec import LIMITS, JobSpec, parse_toml
 from swarmd.jobs.registry import JobRegistry
 from swarmd.rebalance.view import GossipView, LoadEntry, RebalanceError, ViewLimits, decode_entries, encode_entries
 from swarmd.train.trainer import BanRecord
@@ -380,7 +381,8 @@ TINY_LM = (REPO / "examples" / "tiny-lm.toml").read_text()
 
 
 def run_jobspec(data: bytes) -> bool | None:
-    """`T` + TOML text, or `M` + msgpack; whatever parses must survive its canonical round trip."""
+    """`T` + TOML text, or `M` + msgpack; whatever parses must survive its canonical round trip,
+    and its stages' memory estimate (what a daemon computes before joining) must come out."""
     if not data:
         return False
     body = data[1:]
@@ -391,14 +393,22 @@ def run_jobspec(data: bytes) -> bool | None:
     again = JobSpec.from_msgpack(spec.to_msgpack())
     if again != spec or again.to_msgpack() != spec.to_msgpack():
         raise InvariantBroken("the canonical msgpack form does not load back to the same spec")
+    for stage in {0, spec.pipeline.stages - 1}:
+        need = stage_memory(spec, stage)
+        if need is not None and need.total <= 0:
+            raise InvariantBroken(f"stage {stage}'s memory estimate is {need.total} bytes")
 
 
 def _jobspec_seeds() -> list[bytes]:
     spec = parse_toml(TINY_LM)
     minimal = 'name = "m"\nsteps = 1\n[model]\narch = "transformer-lm"\nd_model = 8\nn_heads = 2\n' \
               '[data]\ntokens = "t.bin"\nseq_len = 4\n[batch]\nglobal_samples = 2\nmicrobatch_samples = 1\n'
+    at_limits = minimal.replace("steps = 1", f"steps = {LIMITS['steps'].value}").replace(
+        "d_model = 8", f"d_model = {LIMITS['model.d_model'].value}").replace(
+        "seq_len = 4", f"seq_len = {LIMITS['data.seq_len'].value}") + f"[pipeline]\nstages = {LIMITS['pipeline.stages'].value}\n"
     return [b"T" + TINY_LM.encode(), b"M" + spec.to_msgpack(), b"T" + minimal.encode(),
-            b"M" + parse_toml(minimal).to_msgpack()]
+            b"M" + parse_toml(minimal).to_msgpack(), b"T" + at_limits.encode(),
+            b"T" + at_limits.replace(f"stages = {LIMITS['pipeline.stages'].value}", "stages = 1000000000").encode()]
 
 
 JOBSPEC = Target(

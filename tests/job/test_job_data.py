@@ -153,7 +153,7 @@ def test_data_globs_match_like_glob_without_following_links_in_double_star(tmp_p
 def test_data_globs_past_the_file_limit_are_refused_naming_data_files(tmp_path):
     """Steps: 30 files; a spec matching them all with GlobLimits(max_files=29), then 30.
     Expected: SpecError on data.files naming the limit; at 30 all are found."""
-    from swarmd.job.data import GlobLimits
+    from swarmd.job.sources import GlobLimits
 
     for i in range(30):
         (tmp_path / f"{i:02}.txt").write_bytes(b"x")
@@ -178,7 +178,7 @@ def test_an_entry_limit_counts_every_pattern_of_a_spec(tmp_path):
     max_entries 15.
     Expected: the second listing passes the bound: refused, naming that pattern as the spec
     wrote it; with max_entries 20 both pass."""
-    from swarmd.job.data import GlobLimits
+    from swarmd.job.sources import GlobLimits
 
     for i in range(10):
         (tmp_path / f"{i}.txt").write_bytes(b"x")

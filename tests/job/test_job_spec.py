@@ -8,7 +8,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from swarmd.job import JobSpec, SpecError, load_spec, parse_toml
+from swarmd.job import JobSpec, SpecError, load_spec, parse_toml, resolve_sources
 from swarmd.jobs.serving import job_limits
 from swarmd.model import TransformerConfig
 from swarmd.stage import StageLimits
@@ -113,20 +113,23 @@ def test_missing_arch_and_required_model_key():
         JobSpec.from_dict(raw)
 
 
-def test_missing_data_files_are_refused_on_load(tmp_path):
+def test_loading_a_spec_never_looks_for_its_data(tmp_path):
+    """Steps: a spec whose data.files match nothing; load it, then resolve its data.
+    Expected: loading succeeds (parsing walks no filesystem: a daemon that only serves stages
+    never reads the data); resolving is what refuses, naming data.files and the pattern."""
     (tmp_path / "job.toml").write_text(EXAMPLE.read_text().replace('"{stdlib}/*.py"', '"nothing/*.txt"'))
+    spec = load_spec(tmp_path / "job.toml")
+    assert spec.name == "tiny-lm"
     with pytest.raises(SpecError) as info:
-        load_spec(tmp_path / "job.toml")
+        resolve_sources(spec.data, tmp_path)
     assert info.value.field == "data.files" and "nothing/*.txt" in str(info.value)
-    # A daemon that only serves stages never reads the data: it can skip the check.
-    assert load_spec(tmp_path / "job.toml", check_data=False).name == "tiny-lm"
 
 
-def test_missing_token_file_is_refused_on_load(tmp_path):
+def test_missing_token_file_is_refused_when_resolved(tmp_path):
     text = EXAMPLE.read_text().replace('files = ["{stdlib}/*.py"]', 'tokens = "train.bin"')
     (tmp_path / "job.toml").write_text(text)
     with pytest.raises(SpecError, match=r"^data\.tokens: .*train\.bin is not a file"):
-        load_spec(tmp_path / "job.toml")
+        resolve_sources(load_spec(tmp_path / "job.toml").data, tmp_path)
 
 
 def test_bad_toml_is_a_spec_error():
@@ -140,7 +143,7 @@ def test_example_spec_loads():
 
 
 def test_msgpack_round_trip_and_canonical_form():
-    spec = load_spec(EXAMPLE, check_data=False)
+    spec = load_spec(EXAMPLE)
     again = JobSpec.from_msgpack(spec.to_msgpack())
     assert again == spec
     assert again.to_msgpack() == spec.to_msgpack()

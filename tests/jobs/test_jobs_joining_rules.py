@@ -22,7 +22,7 @@ def load(argv: list[str], env: dict[str, str]):
 
 
 def test_serve_setting_from_toml_flags_and_variables(tmp_path) -> None:
-    assert load([], {}).jobs.serve == "all"
+    assert load([], {}).jobs.serve == "none"  # docs/security.md: a stranger's job is opt-in
     assert load([], {"SWARMD_JOBS_SERVE": "none"}).jobs.serve == "none"
     assert load([], {"SWARMD_JOBS_SERVE": "tiny, abc"}).jobs.serve == frozenset({"tiny", "abc"})
     cfg = tmp_path / "d.toml"

@@ -14,14 +14,16 @@ from types import SimpleNamespace
 import pytest
 
 import swarmd.jobs.serving as serving_module
-from swarmd.job.spec import OptimSpec
+from swarmd.job.spec import JobSpec
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.jobs.serving import Served, Serving
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage.limits import StageLimits
 
 JOB, ME = b"j" * 32, b"m" * 32
-SPEC = SimpleNamespace(pipeline=SimpleNamespace(stages=3), optim=OptimSpec())
+SPEC = JobSpec.from_dict({"name": "moves", "steps": 1, "model": {"arch": "transformer-lm", "d_model": 8, "n_heads": 2},
+                          "data": {"tokens": "t.bin", "seq_len": 4}, "pipeline": {"stages": 3},
+                          "batch": {"global_samples": 2, "microbatch_samples": 1}})  # serve() estimates its memory
 QUICK = SimpleNamespace(sync_interval_s=0.01, progress_timeout_s=0.01)
 
 

@@ -11,7 +11,7 @@ import asyncio
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import parse_toml
-from swarmd.job.data import open_training_data
+from swarmd.job.sources import open_training_data
 from swarmd.train import Trainer, TrainerConfig
 from swarmd.train.wiring import WiringConfig
 from transport.errors import RpcError
