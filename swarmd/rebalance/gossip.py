@@ -34,6 +34,7 @@ from swarmd.clock import Clock, RealClock
 from swarmd.dht.errors import DHTError
 from swarmd.directory import StageDirectory
 from swarmd.rebalance.table import StageTable
+from swarmd.supervisor import Supervisor
 from swarmd.rebalance.view import (
     DEFAULT_LIMITS,
     GossipView,
@@ -164,12 +165,13 @@ class GossipService:
 
     The handler is registered at construction (a Router cannot unregister) and answers
     `unavailable` outside start()..stop(). `view` is owned by the worker thread while running:
-    read it through `table()` / `entries()`, or directly only once stopped.
+    read it through `table()` / `entries()`, or directly only once stopped. The rounds run under
+    `supervisor` (the daemon's): an unexpected error in one is logged, shown and the rounds restarted.
     """
 
     def __init__(self, job_id: bytes, num_stages: int, identity: Identity, own_load: Callable[[], OwnLoad],
                  router: Router, pool: Pool, directory: StageDirectory, config: GossipConfig = GossipConfig(),
-                 clock: Clock = RealClock()) -> None:
+                 clock: Clock = RealClock(), supervisor: Supervisor | None = None) -> None:
         if num_stages < 1:
             raise ValueError(f"a pipeline has at least one stage, got {num_stages}")
         self.job_id, self.num_stages, self.identity = job_id, num_stages, identity
@@ -185,6 +187,7 @@ class GossipService:
         self._retry_at: dict[bytes, float] = {}
         self._own_timestamp = 0.0
         self._tasks = TaskSet(f"gossip {job_id.hex()[:8]}")
+        self._supervisor = supervisor or Supervisor("rebalancing")
         self._worker: ThreadPoolExecutor | None = None
         self._serving = False
         router.unary(METHOD, self._handle)
@@ -199,7 +202,7 @@ class GossipService:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossip-view")
         await self._publish_own()
         self._serving = True
-        self._tasks.spawn(self._run(), "rounds")
+        self._tasks.spawn(self._supervisor.run(f"gossip rounds {self.job_id.hex()[:16]}", self._run), "rounds")
 
     async def stop(self) -> None:
         """Refuse new calls, cancel the rounds and wait for them, then retire the worker (in that
