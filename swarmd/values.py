@@ -245,7 +245,9 @@ class DHTValues:
 
     def __init__(self, dht: Any, refused: dict[str, int] | None = None) -> None:
         self.dht = dht
-        self.refused = dht.refused_records if refused is None else refused
+        if refused is None:  # the node's own dict (a test's stand-in without one: a dict of ours)
+            refused = getattr(dht, "refused_records", None)
+        self.refused = refused if refused is not None else {}
 
     def _refuse(self, exc: ValueRefused, record: Any) -> None:
         self.refused[exc.reason] = self.refused.get(exc.reason, 0) + 1
