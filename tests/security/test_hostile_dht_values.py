@@ -129,9 +129,9 @@ async def test_a_throughput_liar_nobody_can_reach_steers_no_join(daemons, jobs_k
             return view if any(p["peer_id"] == liar for p in view["stages"][0]["peers"]) else None
 
         view = await asyncio.to_thread(jobs_kit.wait_for, lists_liar, 60, "S to list the liar in stage 0")
+        assert "stage 0 has no serving peer that answers" in view["status"], view["status"]
         [shown] = [p for p in view["stages"][0]["peers"] if p["peer_id"] == liar]
         assert shown["samples_per_s"] == 1e12 and not shown["reachable"] and not shown["serves"], shown
-        assert "stage 0 has no serving peer that answers" in view["status"], view["status"]
 
         joiners = [await asyncio.to_thread(daemons.start, name, "--bootstrap", s.status["announce"], env=AUTO)
                    for name in ("la", "lb")]
