@@ -143,7 +143,8 @@ def register(router: Router, daemon: DaemonView) -> None:
             _refuse_ended(job)
             if stage is None:
                 stages = await daemon.jobs.stage_peers(job)
-                stage = min(stages, key=lambda s: (len(s["peers"]), s["stage"]))["stage"]
+                # Peers that did not answer a probe are claims, not capacity (swarmd.jobs.probing).
+                stage = min(stages, key=lambda s: (sum(p["reachable"] for p in s["peers"]), s["stage"]))["stage"]
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < job.spec.pipeline.stages:
             raise RpcError("bad_request", f"stage: an integer in 0..{job.spec.pipeline.stages - 1} or null")
         try:

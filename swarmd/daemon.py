@@ -509,6 +509,7 @@ class Daemon:
             "serving": {"stages": self.serving.stages() if self.serving else []},
             "rebalance": self.rebalancing.status() if self.rebalancing else None,
             "supervision": self.faults.status(),
+            "joining": {"ticks": self.joining.ticks} if self.joining else None,
             "draining": self.draining,
         }
 
