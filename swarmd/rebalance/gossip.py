@@ -278,15 +278,19 @@ class GossipService:
         log.debug("gossip with %s failed (%s); next try in %.1f s", peer_id.hex()[:8], why, backoff)
 
     async def _refresh_members(self) -> None:
-        """Ask the directory for every stage's peers; on failure keep the previous answer."""
+        """Ask the directory for every stage's peers; on failure keep the previous answer (a
+        failed ask cancels the others: a TaskGroup, not a gather that would leave them running)."""
+        failure: BaseException | None = None
         try:
-            async with asyncio.timeout(self.config.call_timeout_s):
-                answers = await asyncio.gather(*(self.directory.peers(self.job_id, s)
-                                                 for s in range(self.num_stages)))
-        except (TransportError, DHTError, TimeoutError, OSError) as exc:
-            log.warning("gossip: the directory did not answer (%s); keeping %d known members", exc, len(self._members))
+            async with asyncio.timeout(self.config.call_timeout_s), asyncio.TaskGroup() as group:
+                asks = [group.create_task(self.directory.peers(self.job_id, s)) for s in range(self.num_stages)]
+        except* (TransportError, DHTError, TimeoutError, OSError) as failed:
+            failure = failed.exceptions[0]
+        if failure is not None:
+            log.warning("gossip: the directory did not answer (%s); keeping %d known members", failure,
+                        len(self._members))
             return
-        members = {peer.peer_id: peer.addr for peers in answers for peer in peers}
+        members = {peer.peer_id: peer.addr for ask in asks for peer in ask.result()}
         self._members = members
         self._members_at = self.clock.monotonic()
         for table in (self._failures, self._retry_at):
