@@ -445,6 +445,20 @@ class JobsSection:
         "submitters (public keys or peer ids, hex) whose jobs this daemon learns, serves and trains; "
         "empty accepts every submitter of the swarm; jobs submitted here are always accepted",
     )
+    max_jobs_per_submitter: int = setting(
+        64, _int_kind(1),
+        "job ids read from one submitter's entry in the jobs index (its newest), and jobs this daemon may "
+        "submit; bounds what one identity makes every daemon look up",
+    )
+    index_lookups_per_refresh: int = setting(
+        16, _int_kind(1),
+        "spec lookups (and as many end-record lookups) one read of the jobs index may run; the rest wait "
+        "for the next read, so made-up ids cannot make a daemon look up without end",
+    )
+    index_miss_ttl_s: float = setting(
+        300.0, _float_kind(0.0),
+        "how long a listed job id whose spec was not found (or not valid) is not looked up again",
+    )
 
 
 @dataclass(frozen=True)

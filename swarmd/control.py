@@ -92,14 +92,15 @@ def register(router: Router, daemon: DaemonView) -> None:
         trainers = req.meta.get("trainers", 1)
         if isinstance(trainers, bool) or not isinstance(trainers, int) or not 0 <= trainers <= MAX_LOCAL_TRAINERS:
             raise RpcError("bad_request", f"trainers: an integer in 0..{MAX_LOCAL_TRAINERS}")
-        with _job_errors():
-            job = await daemon.jobs.submit(req.meta.get("spec"), data, base, req.peer.peercred)
-        if trainers:
+        async def start_trainers(job: Any) -> None:  # before the job is published: a failure publishes nothing
             per_step = job.spec.batch.microbatches_per_step
             if trainers > per_step:
                 raise RpcError("bad_request", f"trainers: at most {per_step} (microbatches per step)")
-            if job.job_id not in daemon.training.started:
+            if trainers and job.job_id not in daemon.training.started:
                 await daemon.training.start(job, range(trainers), trainers)
+
+        with _job_errors():
+            job = await daemon.jobs.submit(req.meta.get("spec"), data, base, req.peer.peercred, start=start_trainers)
         return Message({"job": job.job_id.hex(), "name": job.spec.name, "stages": job.spec.pipeline.stages})
 
     async def job_list(req: Request) -> Message:
@@ -143,7 +144,8 @@ def register(router: Router, daemon: DaemonView) -> None:
             _refuse_ended(job)
             if stage is None:
                 stages = await daemon.jobs.stage_peers(job)
-                stage = min(stages, key=lambda s: (len(s["peers"]), s["stage"]))["stage"]
+                # Peers that did not answer a probe are claims, not capacity (swarmd.jobs.probing).
+                stage = min(stages, key=lambda s: (sum(p["reachable"] for p in s["peers"]), s["stage"]))["stage"]
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < job.spec.pipeline.stages:
             raise RpcError("bad_request", f"stage: an integer in 0..{job.spec.pipeline.stages - 1} or null")
         try:

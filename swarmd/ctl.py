@@ -138,8 +138,20 @@ def _status_text(s: dict[str, Any]) -> str:
         ("bootstrap", "joined" if s["bootstrap"]["joined"] else f"alone ({s['bootstrap']['state']})"),
         ("serving", serving), ("state", "draining" if s["draining"] else "running"),
         *_rebalance_rows(s.get("rebalance"), time.time()),
+        *_supervision_rows(s.get("supervision")),
     ]
     return "\n".join(f"{name:<10} {value}" for name, value in rows)
+
+
+def _supervision_rows(sup: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """`status` text on supervised loops that failed: each task's restarts and last error."""
+    if not sup or not sup["tasks"]:
+        return [] if sup is None else [("faults", "none")]
+    rows = [("faults", f"{sup['failures_total']} restarts of supervised loops")]
+    for t in sup["tasks"]:
+        when = "restarting" if t["retry_in_s"] is not None else f"running again, failed {_duration(t['last_error_s_ago'])} ago"
+        rows.append(("", f"{t['task']}: {t['restarts']} restarts ({when}): {t['last_error']}"))
+    return rows
 
 
 def _rebalance_rows(r: dict[str, Any] | None, now: float) -> list[tuple[str, str]]:

@@ -27,6 +27,8 @@ from swarmd import control, liveness, logs, metrics, notify
 from swarmd.jobs import JobRegistry
 from swarmd.jobs.directory import DHTStageDirectory
 from swarmd.jobs.joining import Joining
+from swarmd.jobs.probing import Prober
+from swarmd.jobs.registry import IndexLimits
 from swarmd.jobs.remembered import RememberedStages
 from swarmd.jobs.rebalancing import RebalanceSettings, Rebalancing
 from swarmd.jobs.serving import Serving
@@ -34,6 +36,8 @@ from swarmd.jobs.training import Training
 from swarmd.job.sources import GlobLimits
 from swarmd.stage.limits import StageLimits
 from swarmd.version import package_version
+from swarmd.supervisor import Faults, Supervisor
+from swarmd.values import DHTValues
 from swarmd.config import Address, Config
 from swarmd.dht import DHTError, DHTNode, Record
 from swarmd.dht.protocol import PING
@@ -165,6 +169,8 @@ class Daemon:
         self.training: Training | None = None
         self.joining: Joining | None = None
         self.rebalancing: Rebalancing | None = None
+        #: Failures of the supervised job loops (trainers, joining, gossip, move checks), for status.
+        self.faults = Faults()
         self.pool: Pool | None = None
         self.router: metrics.InstrumentedRouter | None = None  # the peer-facing methods (DHT, later stages)
         self.book = liveness.PeerBook(config.peers.liveness_window_s, config.peers.max_peers_reported)
@@ -234,22 +240,27 @@ class Daemon:
         self.metrics.dht_lookups = self.dht.lookup_stats
         self.metrics.dht_refused_records = self.dht.refused_records
         # Jobs publish through the DHT, so their announcements are withdrawn before the node stops.
+        values = DHTValues(self.dht)  # every DHT value read by the jobs parts is decoded and checked here
         self.job_registry = JobRegistry(
             self.dht, self.identity, accept_from=cfg.jobs.accept_jobs_from,
-            glob_limits=GlobLimits(max_files=cfg.jobs.data_max_files, max_entries=cfg.jobs.data_max_entries))
+            glob_limits=GlobLimits(max_files=cfg.jobs.data_max_files, max_entries=cfg.jobs.data_max_entries),
+            index_limits=IndexLimits(cfg.jobs.max_jobs_per_submitter, cfg.jobs.index_lookups_per_refresh,
+                                     cfg.jobs.index_miss_ttl_s),
+            values=values, prober=Prober(self.pool, self.identity.peer_id))
         closers.append(("job announcements", self.job_registry.withdraw))
-        directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s)
+        directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s, values)
         self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,
                                address=str(self.announce), device=self.device, state_dir=cfg.daemon.state_dir,
                                limits=StageLimits(torch_threads=cfg.jobs.torch_threads),
                                max_stages=cfg.jobs.max_stages, max_stage_memory=cfg.jobs.max_stage_memory)
         closers.append(("served stages", self.serving.close))
-        self.training = Training(self.pool, directory)
+        self.training = Training(self.pool, directory, supervisor=Supervisor("trainers", self.faults))
         closers.append(("trainers", self.training.close))
         # Stopped before the stages close, so a drain is not remembered as "serves nothing".
         self.joining = Joining(self.job_registry, self.serving, RememberedStages(cfg.daemon.state_dir),
                                peer_id=self.identity.peer_id, serve=cfg.jobs.serve, max_stages=cfg.jobs.max_stages,
-                               interval_s=cfg.jobs.join_interval_s, rejoin_wait_s=cfg.jobs.rejoin_wait_s)
+                               interval_s=cfg.jobs.join_interval_s, rejoin_wait_s=cfg.jobs.rejoin_wait_s,
+                               supervisor=Supervisor("joining", self.faults))
         self.joining.start()
         closers.append(("automatic joining", self.joining.close))
         try:
@@ -258,7 +269,7 @@ class Daemon:
             raise StartupError(EXIT_CONFIG, f"[rebalance]: {exc}") from None
         # Closed first of the job parts: a move under way is undone before its stages stop.
         self.rebalancing = Rebalancing(self.serving, self.identity, router, self.pool, directory, settings,
-                                       self.metrics)
+                                       self.metrics, Supervisor("rebalancing", self.faults))
         self.rebalancing.start()
         closers.append(("rebalancing", self.rebalancing.close))
         self.metrics.rebalance_jobs.set_function(lambda: len(self.rebalancing.jobs))
@@ -517,6 +528,8 @@ class Daemon:
             "dht": {"contacts": len(self.dht.contacts()) if self.dht else 0},
             "serving": {"stages": self.serving.stages() if self.serving else []},
             "rebalance": self.rebalancing.status() if self.rebalancing else None,
+            "supervision": self.faults.status(),
+            "joining": {"ticks": self.joining.ticks} if self.joining else None,
             "draining": self.draining,
         }
 

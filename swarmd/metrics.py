@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from swarmd.config import Address
 from swarmd.dht.errors import REJECTION_REASONS
+from swarmd.values import VALUE_REFUSALS
 from swarmd.dht.stats import LOOKUP_KINDS, LOOKUP_OUTCOMES, LookupStats
 from transport.errors import HANDSHAKE_FAILURE_REASONS
 from transport.message import Message, Request, Router
@@ -115,8 +116,9 @@ class _Counted:
         yield hellos
         refused_records = self._metrics.dht_refused_records or {}
         refused = CounterMetricFamily("swarmd_dht_refused_records", "Records other peers stored here that this "
-                                      "node refused, by reason.", labels=["reason"])
-        for reason in REJECTION_REASONS:
+                                      "node refused, and values read from the DHT that failed their schema "
+                                      "(swarmd.values), by reason.", labels=["reason"])
+        for reason in (*REJECTION_REASONS, *VALUE_REFUSALS):
             refused.add_metric([reason], refused_records.get(reason, 0))
         yield refused
         stats = self._metrics.dht_lookups or LookupStats()

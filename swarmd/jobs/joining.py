@@ -3,9 +3,11 @@
 Every `jobs.join_interval_s` (jittered, so daemons started together do not decide together) the
 loop reads the `jobs` index (`JobRegistry.refresh`) and, for every listed job that `jobs.serve`
 admits, joins the stage with the least capacity: the rebalancer's own join rule
-(`choose_join_stage`), fed from the stages' DHT announcements. Capacity is the announced samples/s;
-a peer that has measured nothing yet counts at the job's median measured speed (1 when none is
-measured), so a stage with an idle new peer still ranks above a stage with none. A daemon takes one
+(`choose_join_stage`), fed from the stages' DHT announcements. Only peers that answered a call
+count (`swarmd.jobs.probing`: a record alone is a claim anyone can store), and capacity is their
+announced samples/s bounded by the others' (`swarmd.rebalance.table.bounded_speeds`); a peer that has measured
+nothing yet counts at the job's median measured speed (1 when none is measured), so a stage with an
+idle new peer still ranks above a stage with none. A daemon takes one
 stage per job, and a second one only while some stage of the job has no peer at all: an empty stage
 stalls the whole job, which outweighs spreading. `jobs.max_stages` bounds it all.
 
@@ -19,6 +21,9 @@ The same loop ends what has ended: on the submitter it publishes the end of a jo
 all done (`JobRegistry.settle`), and on every daemon it leaves the stages of a job whose submitter
 signed its end (finished or cancelled): a final checkpoint, announcements withdrawn, the stage
 stopped and forgotten (`Serving.leave`). An ended job is never joined or rejoined.
+
+Both loops (polling the jobs, remembering what is served) run under the daemon's `Supervisor`: an
+error nobody foresaw is logged with its traceback, shown in `swarmctl status` and the loop restarted.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ import statistics
 import time
 from typing import Any
 
+from swarmd.dht.errors import DHTError
 from swarmd.jobs.directory import announcement_value, stage_key
 from swarmd.jobs.registry import FINAL_STATES, Job, JobRegistry
 from swarmd.jobs.remembered import Key, RememberedStages
 from swarmd.rebalance.policy import choose_join_stage
-from swarmd.rebalance.table import DRAINING, JOINING, SERVING, PeerLoad, StageTable
+from swarmd.rebalance.table import DRAINING, JOINING, SERVING, PeerLoad, StageTable, bounded_speeds
+from swarmd.supervisor import Supervisor
+from transport.errors import TransportError
 from transport.identity import peer_id_of
-from transport.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -56,36 +63,39 @@ def admits(rule: str | frozenset[str], job: Job) -> bool:
 
 
 def capacity_table(stages: list[dict[str, Any]]) -> StageTable:
-    """The join rule's view of a job from its `stage_peers` announcements."""
-    measured = [p["samples_per_s"] for s in stages for p in s["peers"] if p["samples_per_s"] > 0]
+    """The join rule's view of a job from its `stage_peers` announcements: peers that answered a
+    call only (a "serving" one only if it said so when called), their claims bounded."""
+    counted = [(s["stage"], p, STATES[p["state"]]) for s in stages for p in s["peers"]
+               if p["reachable"] and p["state"] in STATES and (p["state"] != "serving" or p["serves"])]
+    # One row per (peer, stage): a daemon may serve two stages of a job.
+    rows = [bytes.fromhex(p["peer_id"]) + stage.to_bytes(4, "big") for stage, p, _ in counted]
+    rates = bounded_speeds({row: p["samples_per_s"] for row, (_, p, _) in zip(rows, counted)})
+    measured = [r for r in rates.values() if r > 0]
     unmeasured = statistics.median(measured) if measured else 1.0
     table = StageTable(len(stages))
-    for s in stages:
-        for p in s["peers"]:
-            state = STATES.get(p["state"])
-            if state is not None:
-                # One row per (peer, stage): a daemon may serve two stages of a job.
-                row = bytes.fromhex(p["peer_id"]) + s["stage"].to_bytes(4, "big")
-                table.put(PeerLoad(row, s["stage"], p["samples_per_s"] or unmeasured, state))
+    for row, (stage, _, state) in zip(rows, counted):
+        table.put(PeerLoad(row, stage, rates[row] or unmeasured, state))
     return table
 
 
 class Joining:
     def __init__(self, registry: JobRegistry, serving: Any, memory: RememberedStages, *, peer_id: bytes,
-                 serve: str | frozenset[str], max_stages: int, interval_s: float, rejoin_wait_s: float) -> None:
+                 serve: str | frozenset[str], max_stages: int, interval_s: float, rejoin_wait_s: float,
+                 supervisor: Supervisor | None = None) -> None:
         self.registry, self.serving, self.memory = registry, serving, memory
         self.peer_id, self.rule, self.max_stages = peer_id, serve, max_stages
         self.interval_s, self.rejoin_wait_s = interval_s, rejoin_wait_s
         self.pending: dict[Key, float] = {}  # remembered, not rejoined yet -> monotonic deadline
+        self.ticks = 0  # looks at the jobs index completed (tests wait on it instead of sleeping)
         self._saved: frozenset[Key] | None = None
         self._random = random.Random()
-        self._tasks = TaskSet("joining")
+        self.supervisor = supervisor or Supervisor("joining")
 
     def start(self) -> None:
-        self._tasks.spawn(self._run(), "automatic joining")
+        self.supervisor.spawn("automatic joining", self._run)
 
     async def close(self) -> None:
-        await self._tasks.aclose("daemon stopping")
+        await self.supervisor.aclose("daemon stopping")
 
     async def _run(self) -> None:
         remembered = await asyncio.to_thread(self.memory.load)
@@ -96,15 +106,16 @@ class Joining:
             log.info("rejoining %d remembered stage(s): %s", len(remembered),
                      ", ".join(f"{job.hex()[:16]}/{stage}" for job, stage in remembered))
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self._remember_forever(), name="remember served stages")
-            tasks.create_task(self._poll_forever(), name="poll jobs")
+            tasks.create_task(self.supervisor.run("remember served stages", self._remember_forever))
+            tasks.create_task(self.supervisor.run("poll jobs", self._poll_forever))
 
     async def _poll_forever(self) -> None:
         while True:
             try:
                 await self.tick()
-            except Exception as exc:  # noqa: BLE001 - DHT reads fail in many ways; the next tick retries
+            except (DHTError, TransportError, OSError, TimeoutError) as exc:  # the next tick retries
                 log.warning("automatic joining: %s", exc)
+            self.ticks += 1
             # Sooner while remembered stages wait: a restarted daemon should be back quickly.
             base = self.interval_s if not self.pending else min(self.interval_s, 1.0)
             await asyncio.sleep(base * self._random.uniform(0.5, 1.5))
@@ -159,7 +170,7 @@ class Joining:
         stages = await self.registry.stage_peers(job)
         mine = {stage for job_id, stage in self.serving.served if job_id == job.job_id}
         mine |= {stage for job_id, stage in self.pending if job_id == job.job_id}
-        if mine and all(s["peers"] for s in stages):
+        if mine and all(any(p["reachable"] for p in s["peers"]) for s in stages):
             return
         stage = choose_join_stage(capacity_table(stages), me=self.peer_id)
         if stage in mine:

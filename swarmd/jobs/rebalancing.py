@@ -26,6 +26,7 @@ from swarmd.jobs.moving import DRAINING, JOINING, SERVING
 from swarmd.rebalance.gossip import CODE_UNAVAILABLE, METHOD, GossipConfig, GossipService, OwnLoad
 from swarmd.rebalance.mover import MoveFailed, RebalanceLoop
 from swarmd.rebalance.policy import PolicyConfig
+from swarmd.supervisor import Supervisor
 from transport.errors import RpcError
 from transport.identity import Identity
 from transport.message import Message, Request
@@ -97,12 +98,14 @@ class JobRebalancer:
     """Gossip and move checks for one job on this peer."""
 
     def __init__(self, job_id: bytes, num_stages: int, identity: Identity, serving: Any, dispatch: GossipDispatch,
-                 pool: Any, directory: Any, settings: RebalanceSettings, on_move: Callable[[bool, float], None]) -> None:
+                 pool: Any, directory: Any, settings: RebalanceSettings, on_move: Callable[[bool, float], None],
+                 supervisor: Supervisor | None = None) -> None:
         self.job_id, self.serving, self.settings, self.on_move = job_id, serving, settings, on_move
         self._speed = 0.0  # last measured samples/s, kept across a move until the new stage measures
         self.gossip = GossipService(job_id, num_stages, identity, self.own_load, dispatch.for_job(job_id), pool,
-                                    directory, settings.gossip)
-        self.loop = RebalanceLoop(identity.peer_id, self.gossip.table, self._move, settings.policy)
+                                    directory, settings.gossip, supervisor=supervisor)
+        self.loop = RebalanceLoop(identity.peer_id, self.gossip.table, self._move, settings.policy,
+                                  supervisor=supervisor, name=f"move checks {job_id.hex()[:16]}")
         self._dispatch = dispatch
 
     async def start(self) -> None:
@@ -166,8 +169,9 @@ class Rebalancing:
     """Every job's rebalancer on this daemon, kept in step with what `Serving` serves."""
 
     def __init__(self, serving: Any, identity: Identity, router: Any, pool: Any, directory: Any,
-                 settings: RebalanceSettings, metrics: Any) -> None:
+                 settings: RebalanceSettings, metrics: Any, supervisor: Supervisor | None = None) -> None:
         self.serving, self.identity, self.pool, self.directory = serving, identity, pool, directory
+        self.supervisor = supervisor or Supervisor("rebalancing")
         self.settings, self.metrics = settings, metrics
         self.dispatch = GossipDispatch(router)
         self.jobs: dict[bytes, JobRebalancer] = {}
@@ -176,7 +180,7 @@ class Rebalancing:
 
     def start(self) -> None:
         if self.settings.enabled:
-            self._tasks.spawn(self._reconcile_forever(), "reconcile")
+            self._tasks.spawn(self.supervisor.run("reconcile", self._reconcile_forever), "reconcile")
 
     async def close(self) -> None:
         """Drain: stop reconciling, then every job's loop (undoing a move under way) and gossip."""
@@ -201,7 +205,7 @@ class Rebalancing:
             if job_id in self.jobs:
                 continue
             job = JobRebalancer(job_id, stages, self.identity, self.serving, self.dispatch, self.pool,
-                                self.directory, self.settings, self._count_move)
+                                self.directory, self.settings, self._count_move, self.supervisor)
             try:
                 await job.start()
             except Exception:  # a bug or a broken part must not end rebalancing for every job

@@ -1,6 +1,7 @@
 """Jobs this daemon knows: the ones submitted here, and the ones other daemons published in the DHT.
 
-DHT layout (every record signed; the subkey is the signer's peer id, the default DHT rule):
+DHT layout (every record signed; the subkey is the signer's peer id, the default DHT rule; the
+schemas, and the one place they are decoded, are in `swarmd.values`):
 - `("job", job_id, "spec")`: the canonical spec (msgpack), announced by its submitter. Any daemon
   can verify a spec it reads: `job_id` must equal `spec.job_id(record.public_key)`, so nobody can
   publish a different spec under someone else's job id.
@@ -8,9 +9,17 @@ DHT layout (every record signed; the subkey is the signer's peer id, the default
   this index to notice new jobs.
 - `("job", job_id, "stage", i)`: one entry per peer serving stage i, a msgpack map
   `{addr, samples_per_s, queue, step, state}` (written by the stage servers).
-- `("job", job_id, "end")`: the job's end (finished or cancelled), signed by its submitter
-  (`swarmd.jobs.ending`). An ended job stays in its submitter's index, so every daemon learns it
-  ended rather than only that it is gone.
+- `("job", job_id, "end")`: the job's end (finished or cancelled), signed by its submitter. Only
+  the record signed by the job's submitter counts (the job id hashes the spec with that public
+  key), so nobody else can end a job; a record anyone else stores there is refused and logged
+  once. An ended job stays in its submitter's index, so every daemon learns it ended rather than
+  only that it is gone.
+
+Reading the index is bounded (`IndexLimits`, from `[jobs]`): a submitter's entry lists at most
+`max_ids_per_submitter` ids; one refresh looks up at most `lookups_per_refresh` specs and as many
+end records; an id whose spec was not found (or not valid) is not looked up again for `miss_ttl_s`.
+Eight index entries listing 512 made-up ids each used to make an idle daemon run ~51 lookups a
+second for ever.
 """
 
 from __future__ import annotations
@@ -21,16 +30,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-import msgpack
-
-from swarmd.dht import dht_key
 from swarmd.errors import LocalError
-from swarmd.jobs.ending import JobEnd, end_key, submitters_end
+from swarmd.jobs.probing import Prober
 from swarmd.job import JobSpec, SpecError
 from swarmd.job.opening import AccessDenied, Reader
 from swarmd.job.sources import GlobLimits, Sources, named_sources, resolve_sources
+from swarmd.values import DHTValues, JobEnd, encode_index, end_key, index_key, spec_key
 from transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
@@ -41,12 +48,21 @@ JOB_STATES = ("waiting", "running", "done", "cancelled", "failed")
 FINAL_STATES = frozenset({"done", "cancelled", "failed"})
 #: Events held per job for `job.logs`; older ones are dropped first.
 MAX_EVENTS = 1000
-#: Jobs one submitter may list in the `jobs` index (bounds the record and what readers decode).
-MAX_JOBS_PER_SUBMITTER = 64
 #: Job ids remembered as refused by `accept_from` (so `find` can say why, and refresh skips them).
 MAX_REFUSED_JOBS = 1024
 #: (job, forger) pairs remembered so a forged end record is logged once, not at every refresh.
 MAX_FORGERIES_LOGGED = 1024
+#: Job ids remembered as misses (no valid spec found): bounds the negative cache.
+MAX_MISSES_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class IndexLimits:
+    """How much work the `jobs` index may make a daemon do (config `[jobs]`, documented there)."""
+
+    max_ids_per_submitter: int = 64
+    lookups_per_refresh: int = 16
+    miss_ttl_s: float = 300.0
 
 
 class JobRequestError(LocalError):
@@ -73,6 +89,7 @@ class Job:
     emitted: int = 0  # events ever added; the deque holds the last MAX_EVENTS of them
     ended: JobEnd | None = None  # the swarm-wide end, signed by the submitter
     end_seen: asyncio.Event = field(default_factory=asyncio.Event)  # set once `ended` is
+    end_checked_at: float = 0.0  # monotonic time its end record was last looked up
 
     def event(self, kind: str, message: str, **fields: Any) -> None:
         self.events.append({"ts": time.time(), "kind": kind, "step": self.step, "loss": self.loss,
@@ -93,13 +110,21 @@ class JobRegistry:
     published jobs this daemon learns; empty accepts all. A job from anyone else is never learned,
     so it is never served or trained here; its spec is not even fetched. Jobs submitted through
     this daemon are its own and always accepted (the control socket's admission guards them).
+
+    `prober` (the daemon's): with one, `stage_peers` says which peers answered a call, and only
+    those count as serving in `describe`; without one (tests of the index alone) every peer counts.
     """
 
     def __init__(self, dht: Any, identity: Any, *, accept_from: frozenset[bytes] = frozenset(),
-                 glob_limits: GlobLimits = GlobLimits()) -> None:
+                 glob_limits: GlobLimits = GlobLimits(), index_limits: IndexLimits = IndexLimits(),
+                 values: DHTValues | None = None, prober: Prober | None = None) -> None:
         self.dht, self.identity = dht, identity
+        self.values = values or DHTValues(dht)
+        self.prober = prober
         self.accept_from = accept_from
         self.glob_limits = glob_limits
+        self.index_limits = index_limits
+        self.misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # job id -> retry at
         self.jobs: dict[bytes, Job] = {}
         self.refused: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # job id -> submitter
         self._announcements: list[Any] = []
@@ -110,8 +135,12 @@ class JobRegistry:
     # ------------------------------------------------------------------ submit
 
     async def submit(self, raw_spec: Any, data: Sequence[str], base: str | None,
-                     peercred: tuple[int, int, int] | None) -> Job:
-        """Validate, check the submitter may read the data, then publish; raises `JobRequestError`.
+                     peercred: tuple[int, int, int] | None,
+                     start: Callable[[Job], Awaitable[None]] | None = None) -> Job:
+        """Validate, check the submitter may read the data, run `start` (the local trainers), then
+        publish; raises `JobRequestError`, or what `start` raised. A submission that fails at any of
+        these steps publishes nothing and leaves no job behind: a job another daemon learned and
+        joined should be one its submitter could start.
 
         The data check walks the submitter's globs and stats every file: filesystem work of a size
         the submitter chooses (within `glob_limits`), so it runs in a worker thread, not on the loop."""
@@ -123,11 +152,17 @@ class JobRegistry:
         job_id = spec.job_id(self.identity.public_key)
         if job_id in self.jobs:
             return self.jobs[job_id]
-        if sum(j.local for j in self.jobs.values()) >= MAX_JOBS_PER_SUBMITTER:
-            raise JobRequestError("busy", f"this daemon already submitted {MAX_JOBS_PER_SUBMITTER} jobs "
-                                          "(MAX_JOBS_PER_SUBMITTER)")
+        limit = self.index_limits.max_ids_per_submitter
+        if sum(j.local for j in self.jobs.values()) >= limit:
+            raise JobRequestError("busy", f"this daemon already submitted {limit} jobs (jobs.max_jobs_per_submitter)")
         job = Job(job_id, spec, self.identity.public_key, local=True, sources=sources)
         self.jobs[job_id] = job
+        try:
+            if start is not None:
+                await start(job)
+        except BaseException:
+            del self.jobs[job_id]
+            raise
         self._publish(job)
         job.event("info", f"submitted by uid {peercred[1]}: {spec.pipeline.stages} stages, {spec.steps} steps")
         return job
@@ -163,14 +198,14 @@ class JobRegistry:
 
     def _publish(self, job: Job) -> None:
         value = job.spec.to_msgpack()
-        self._announcements.append(self.dht.announce(dht_key("job", job.job_id, "spec"), lambda: value))
+        self._announcements.append(self.dht.announce(spec_key(job.job_id), lambda: value))
         # Announcing the same key again replaces the entry and stores it now: readers see the new
         # job at once rather than at the index's next refresh.
-        self._index = self.dht.announce(dht_key("jobs"), self._index_value)
+        self._index = self.dht.announce(index_key(), self._index_value)
 
     def _index_value(self) -> bytes:
         # Ended jobs stay listed: readers then find their end record and show how they ended.
-        return msgpack.packb([j.job_id for j in self.jobs.values() if j.local], use_bin_type=True)
+        return encode_index([j.job_id for j in self.jobs.values() if j.local])
 
     async def withdraw(self) -> None:
         """Drain: take our specs and index entry out of the DHT."""
@@ -181,33 +216,28 @@ class JobRegistry:
     # ------------------------------------------------------------------ discovery
 
     async def refresh(self, latest: bool = True) -> None:
-        """Learn the jobs other daemons published; a spec that does not hash to its id is ignored.
-        `listed` becomes the ids the index holds now: a job missing from it is gone or cancelled."""
+        """Learn the jobs other daemons published, within `index_limits`; a spec that does not hash
+        to its id is ignored. `listed` becomes the ids the index holds now: a job missing from it is
+        gone or cancelled. Ids left over by the lookup budget are looked up at the next refresh."""
         listed = {j.job_id for j in self.jobs.values() if j.local}
-        for record in (await self.dht.get(dht_key("jobs"), latest=latest)).values():
-            try:
-                ids = msgpack.unpackb(record.value, raw=False)
-            except (ValueError, msgpack.UnpackException):
-                continue
-            if not isinstance(ids, list):
-                continue
-            accepted = self.accepts(record.public_key)
-            for job_id in ids[:MAX_JOBS_PER_SUBMITTER]:
-                if not isinstance(job_id, bytes):
-                    continue
+        budget = self.index_limits.lookups_per_refresh
+        now = time.monotonic()
+        for entry in await self.values.index(self.index_limits.max_ids_per_submitter, latest=latest):
+            accepted = self.accepts(entry.submitter)
+            for job_id in entry.job_ids:
                 if not accepted:
-                    self._refuse(job_id, record.public_key)
+                    self._refuse(job_id, entry.submitter)
                     continue
-                if job_id not in self.jobs:
-                    await self._learn(job_id, record.public_key)
+                if job_id not in self.jobs and budget > 0 and self.misses.get(job_id, 0.0) <= now:
+                    budget -= 1
+                    await self._learn(job_id, entry.submitter)
                 known = self.jobs.get(job_id)
-                if known is not None and known.submitter == record.public_key:
+                if known is not None and known.submitter == entry.submitter:
                     listed.add(job_id)
         # Before `listed` changes, so automatic joining never sees a newly learned job that has ended.
-        for job_id in listed:
-            job = self.jobs[job_id]
-            if not job.local and job.ended is None:
-                await self.check_end(job)
+        unended = [self.jobs[j] for j in listed if not self.jobs[j].local and self.jobs[j].ended is None]
+        for job in sorted(unended, key=lambda j: j.end_checked_at)[:self.index_limits.lookups_per_refresh]:
+            await self.check_end(job)
         self.listed = listed
 
     def accepts(self, submitter: bytes) -> bool:
@@ -222,16 +252,15 @@ class JobRegistry:
             self.refused.popitem(last=False)
 
     async def _learn(self, job_id: bytes, submitter: bytes) -> None:
-        for record in (await self.dht.get(dht_key("job", job_id, "spec"))).values():
-            if record.public_key != submitter:
-                continue
-            try:
-                spec = JobSpec.from_msgpack(record.value)
-            except SpecError:
-                continue
-            if spec.job_id(submitter) == job_id:
-                self.jobs[job_id] = Job(job_id, spec, submitter, local=False)
-                return
+        published = await self.values.spec(job_id, submitter)
+        if published is None:
+            self.misses[job_id] = time.monotonic() + self.index_limits.miss_ttl_s
+            self.misses.move_to_end(job_id)
+            while len(self.misses) > MAX_MISSES_KEPT:
+                self.misses.popitem(last=False)
+            return
+        self.misses.pop(job_id, None)
+        self.jobs[job_id] = Job(job_id, published.spec, submitter, local=False)
 
     async def find(self, name_or_id: Any) -> Job:
         """A job by hex id, or by name when exactly one known job has it."""
@@ -268,27 +297,26 @@ class JobRegistry:
         return named[0] if named else None
 
     async def stage_peers(self, job: Job) -> list[dict[str, Any]]:
-        """Per stage, the peers announcing it in the DHT (the `job.get` payload's `stages`)."""
+        """Per stage, the peers announcing it in the DHT (the `job.get` payload's `stages`). With a
+        prober, each says whether it answered a call (`reachable`) and serves as it claims (`serves`)."""
         stages = []
         for index in range(job.spec.pipeline.stages):
+            found = await self.values.announcements(job.job_id, index, latest=False)
+            probes = await self.prober.check_all(job.job_id, found) if self.prober is not None else {}
             peers = []
-            for record in (await self.dht.get(dht_key("job", job.job_id, "stage", index))).values():
-                try:
-                    fields = msgpack.unpackb(record.value, raw=False)
-                except (ValueError, msgpack.UnpackException):
-                    continue
-                if isinstance(fields, dict):
-                    peers.append({"peer_id": record.subkey.hex(), "address": str(fields.get("addr", "")),
-                                  "samples_per_s": float(fields.get("samples_per_s", 0.0)),
-                                  "queue": int(fields.get("queue", 0)), "step": int(fields.get("step", 0)),
-                                  "state": str(fields.get("state", ""))})
+            for a in found:
+                probe = probes.get((a.peer_id, index))
+                peers.append({"peer_id": a.peer_id.hex(), "address": a.addr, "samples_per_s": a.samples_per_s,
+                              "queue": a.queue, "step": a.step, "state": a.state,
+                              "reachable": True if probe is None else probe.answered,
+                              "serves": a.state == "serving" if probe is None else probe.serving})
             stages.append({"stage": index, "peers": peers})
         return stages
 
     async def check_end(self, job: Job) -> None:
         """Read the job's end record; believe only the one its submitter signed."""
-        end, forgers = submitters_end(await self.dht.get(end_key(job.job_id), latest=True), job.submitter,
-                                      job.spec.steps)
+        job.end_checked_at = time.monotonic()
+        end, forgers = await self.values.end(job.job_id, job.submitter, job.spec.steps)
         for forger in forgers:
             if (job.job_id, forger) not in self._forgeries:
                 log.warning("job %s: refused an end record signed by peer %s, not by the job's submitter",
@@ -334,7 +362,7 @@ class JobRegistry:
 
     async def swarm_step(self, job: Job) -> int:
         """The step every stage has committed, as its serving peers announce (0 if a stage has none)."""
-        return min((max((p["step"] for p in s["peers"] if p["state"] == "serving"), default=0)
+        return min((max((p["step"] for p in s["peers"] if p["serves"]), default=0)
                     for s in await self.stage_peers(job)), default=0)
 
     async def describe(self, job: Job) -> dict[str, Any]:
@@ -342,9 +370,9 @@ class JobRegistry:
             await self.check_end(job)
         stages = await self.stage_peers(job)
         # A peer only announcing "joining" (automatic joining says so before it starts) or
-        # "draining" takes no work yet: its stage still stalls the job.
-        empty = {s["stage"]: "no peers" if not s["peers"] else "no serving peer yet" for s in stages
-                 if not any(p["state"] == "serving" for p in s["peers"])}
+        # "draining" takes no work yet, and one that did not answer a call serves nobody: its
+        # stage still stalls the job.
+        empty = {s["stage"]: _why_stalled(s["peers"]) for s in stages if not any(p["serves"] for p in s["peers"])}
         state = "waiting" if empty and job.state == "running" else job.state
         if job.ended is not None:
             status = f"job {job.ended.text()}"
@@ -378,3 +406,11 @@ class JobRegistry:
             if not follow or job.state in FINAL_STATES:
                 return
             await job.changed.wait()
+
+
+def _why_stalled(peers: list[dict[str, Any]]) -> str:
+    if not peers:
+        return "no peers"
+    if any(p["state"] == "serving" and not p["serves"] for p in peers):
+        return "no serving peer that answers"
+    return "no serving peer yet"

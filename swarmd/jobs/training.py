@@ -8,6 +8,11 @@ The bans this daemon's trainers of a job made are kept for `job.get` (`bans`): a
 the trainer itself, a finished one's copied onto the job (bounded by `TrainerConfig.ban_log_kept`)
 so its data can go. Only this daemon's trainers: bans are what one trainer saw, not swarm-wide.
 
+Each trainer runs under the daemon's `Supervisor`: a `TrainerError` (the trainer's own verdict that
+it cannot go on: inputs refused, a step lost) fails the job here as before, while any other error
+(a bug, a value nobody foresaw) is logged with its traceback, shown in `swarmctl status` and the
+trainer run again after a backoff, from the swarm's current step.
+
 A trainer stops when its job ends swarm-wide (the submitter's signed end record, learned by the
 joining loop): a cancelled job's trainers on other daemons would otherwise retry forever against
 stages that have left.
@@ -23,6 +28,8 @@ from typing import Any
 
 from swarmd.job import TokenDataset, TrainingData, read_tokens
 from swarmd.jobs.registry import FINAL_STATES, Job
+from swarmd.supervisor import Supervisor
+from swarmd.train.errors import TrainerError
 from swarmd.train.events import StatusEvent, StepEvent
 from swarmd.train.trainer import BanRecord, Trainer, TrainerConfig
 from transport.tasks import TaskSet
@@ -38,8 +45,10 @@ FINISH_GRACE_S = 10.0
 
 
 class Training:
-    def __init__(self, pool: Any, directory: Any, config: TrainerConfig = TrainerConfig()) -> None:
+    def __init__(self, pool: Any, directory: Any, config: TrainerConfig = TrainerConfig(),
+                 supervisor: Supervisor | None = None) -> None:
         self.pool, self.directory, self.config = pool, directory, config
+        self.supervisor = supervisor or Supervisor("trainers")
         self._tasks = TaskSet("trainers")
         self._running: dict[bytes, int] = {}
         self._trainers: dict[bytes, list[asyncio.Task]] = {}
@@ -64,11 +73,13 @@ class Training:
             job.state = "running"
 
     async def _run(self, job: Job, trainer: Trainer) -> None:
+        """`_until_ended`, supervised: restarted on unexpected errors; a TrainerError fails the job."""
         try:
-            await self._until_ended(job, trainer)
+            await self.supervisor.run(f"trainer {job.spec.name}#{trainer.shard}",
+                                      lambda: self._until_ended(job, trainer), final=(TrainerError,))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except TrainerError as exc:
             log.warning("trainer of %s failed: %s", job.spec.name, exc)
             job.state = "failed"
             job.event("done", f"trainer {trainer.shard} failed: {exc}")

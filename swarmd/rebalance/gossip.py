@@ -34,6 +34,7 @@ from swarmd.clock import Clock, RealClock
 from swarmd.dht.errors import DHTError
 from swarmd.directory import StageDirectory
 from swarmd.rebalance.table import StageTable
+from swarmd.supervisor import Supervisor
 from swarmd.rebalance.view import (
     DEFAULT_LIMITS,
     GossipView,
@@ -164,12 +165,13 @@ class GossipService:
 
     The handler is registered at construction (a Router cannot unregister) and answers
     `unavailable` outside start()..stop(). `view` is owned by the worker thread while running:
-    read it through `table()` / `entries()`, or directly only once stopped.
+    read it through `table()` / `entries()`, or directly only once stopped. The rounds run under
+    `supervisor` (the daemon's): an unexpected error in one is logged, shown and the rounds restarted.
     """
 
     def __init__(self, job_id: bytes, num_stages: int, identity: Identity, own_load: Callable[[], OwnLoad],
                  router: Router, pool: Pool, directory: StageDirectory, config: GossipConfig = GossipConfig(),
-                 clock: Clock = RealClock()) -> None:
+                 clock: Clock = RealClock(), supervisor: Supervisor | None = None) -> None:
         if num_stages < 1:
             raise ValueError(f"a pipeline has at least one stage, got {num_stages}")
         self.job_id, self.num_stages, self.identity = job_id, num_stages, identity
@@ -185,6 +187,7 @@ class GossipService:
         self._retry_at: dict[bytes, float] = {}
         self._own_timestamp = 0.0
         self._tasks = TaskSet(f"gossip {job_id.hex()[:8]}")
+        self._supervisor = supervisor or Supervisor("rebalancing")
         self._worker: ThreadPoolExecutor | None = None
         self._serving = False
         router.unary(METHOD, self._handle)
@@ -199,7 +202,7 @@ class GossipService:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossip-view")
         await self._publish_own()
         self._serving = True
-        self._tasks.spawn(self._run(), "rounds")
+        self._tasks.spawn(self._supervisor.run(f"gossip rounds {self.job_id.hex()[:16]}", self._run), "rounds")
 
     async def stop(self) -> None:
         """Refuse new calls, cancel the rounds and wait for them, then retire the worker (in that
@@ -275,15 +278,19 @@ class GossipService:
         log.debug("gossip with %s failed (%s); next try in %.1f s", peer_id.hex()[:8], why, backoff)
 
     async def _refresh_members(self) -> None:
-        """Ask the directory for every stage's peers; on failure keep the previous answer."""
+        """Ask the directory for every stage's peers; on failure keep the previous answer (a
+        failed ask cancels the others: a TaskGroup, not a gather that would leave them running)."""
+        failure: BaseException | None = None
         try:
-            async with asyncio.timeout(self.config.call_timeout_s):
-                answers = await asyncio.gather(*(self.directory.peers(self.job_id, s)
-                                                 for s in range(self.num_stages)))
-        except (TransportError, DHTError, TimeoutError, OSError) as exc:
-            log.warning("gossip: the directory did not answer (%s); keeping %d known members", exc, len(self._members))
+            async with asyncio.timeout(self.config.call_timeout_s), asyncio.TaskGroup() as group:
+                asks = [group.create_task(self.directory.peers(self.job_id, s)) for s in range(self.num_stages)]
+        except* (TransportError, DHTError, TimeoutError, OSError) as failed:
+            failure = failed.exceptions[0]
+        if failure is not None:
+            log.warning("gossip: the directory did not answer (%s); keeping %d known members", failure,
+                        len(self._members))
             return
-        members = {peer.peer_id: peer.addr for peers in answers for peer in peers}
+        members = {peer.peer_id: peer.addr for ask in asks for peer in ask.result()}
         self._members = members
         self._members_at = self.clock.monotonic()
         for table in (self._failures, self._retry_at):

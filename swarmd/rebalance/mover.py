@@ -19,6 +19,7 @@ from swarmd.clock import Clock, RealClock
 from swarmd.rebalance.policy import Decision, PolicyConfig, PolicyState, jitter_factor, plan
 from swarmd.rebalance.table import StageTable
 from swarmd.rebalance.view import RebalanceError
+from swarmd.supervisor import Supervisor
 from transport.tasks import TaskSet
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class RebalanceLoop:
     """This peer's periodic check of the policy; `check()` is one step, `start()` runs them forever."""
 
     def __init__(self, me: bytes, table: TableSource, move: MoveCallback, config: PolicyConfig = PolicyConfig(),
-                 clock: Clock = RealClock()) -> None:
+                 clock: Clock = RealClock(), supervisor: Supervisor | None = None, name: str = "checks") -> None:
         self.me, self.table, self.move, self.config, self.clock = me, table, move, config, clock
         self.state = PolicyState()
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
@@ -49,9 +50,12 @@ class RebalanceLoop:
         self.moving_s = 0.0  # wall time spent inside `move`, successful or not
         self.last_check_at: float | None = None  # clock time of the last check (for status)
         self._tasks = TaskSet("rebalance")
+        self._supervisor = supervisor or Supervisor("rebalancing")
+        self._name = name
 
     def start(self) -> None:
-        self._tasks.spawn(self.run(), "checks")
+        """Run the checks; an unexpected error in one is logged, shown and the checks restarted."""
+        self._tasks.spawn(self._supervisor.run(self._name, self.run), "checks")
 
     async def stop(self) -> None:
         """Cancel the loop, a move in progress included (the daemon's move must undo on cancel)."""

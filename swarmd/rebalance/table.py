@@ -7,12 +7,18 @@ version (the shared move plan) is memoised in `memo` and dropped on the next cha
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 SERVING = "serving"
 JOINING = "joining"
 DRAINING = "draining"
 STATES = (SERVING, JOINING, DRAINING)
+#: A peer's announced or gossiped speed counts at most this multiple of the job's lower-median
+#: speed. Honest swarms mix devices (a GPU peer may run ten times a CPU peer), so the cap is loose;
+#: what it stops is one claim of 10^12 samples/s outweighing every honest peer (docs/security.md).
+CLAIM_FACTOR = 16.0
 
 
 @dataclass(frozen=True)
@@ -92,3 +98,13 @@ class StageTable:
     def throughput(self) -> float:
         """Samples/s of the pipeline now: its weakest stage."""
         return min(self.serving)
+
+
+def bounded_speeds(speeds: dict[Hashable, float], factor: float = CLAIM_FACTOR) -> dict[Hashable, float]:
+    """Each positive speed cut to `factor` times the lower median of the positive ones: with one
+    honest peer and one liar the cap is the honest peer's speed's multiple, not the liar's."""
+    positive = [v for v in speeds.values() if v > 0]
+    if not positive:
+        return dict(speeds)
+    cap = factor * statistics.median_low(positive)
+    return {key: min(value, cap) for key, value in speeds.items()}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from swarmd.errors import PeerError
-from swarmd.rebalance.table import STATES, PeerLoad, StageTable
+from swarmd.rebalance.table import STATES, PeerLoad, StageTable, bounded_speeds
 from transport.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
 
 # Domain separation: a load-entry signature can never be mistaken for any other signed swarmd record.
@@ -239,12 +239,10 @@ class GossipView:
         return len(gone)
 
     def table(self, num_stages: int, now: float) -> StageTable:
-        """The policy's input: live entries of this pipeline's stages (others are ignored, not fatal)."""
+        """The policy's input: live entries of this pipeline's stages (others are ignored, not fatal),
+        each speed bounded by the others' (`bounded_speeds`: an entry is its own peer's claim)."""
         self.expire(now)
-        rows = [
-            PeerLoad(e.peer_id, e.stage, float(e.samples_per_s), e.state)
-            for e in self._entries.values()
-            if e.stage < num_stages
-        ]
-        return StageTable(num_stages, rows)
+        live = [e for e in self._entries.values() if e.stage < num_stages]
+        speeds = bounded_speeds({e.peer_id: float(e.samples_per_s) for e in live})
+        return StageTable(num_stages, [PeerLoad(e.peer_id, e.stage, speeds[e.peer_id], e.state) for e in live])
 

@@ -17,7 +17,7 @@ import pytest
 
 from swarmd.dht import DHTConfig, DHTNode
 from swarmd.dht.rpc_network import RpcNetwork
-from swarmd.jobs.ending import JobEnd, end_key
+from swarmd.values import JobEnd, end_key
 from swarmd.stage.checkpoint import checkpoint_dir, newest_checkpoint
 from transport.identity import Identity
 

@@ -44,9 +44,12 @@ def test_serve_rule_admits_by_name_or_submitter() -> None:
     assert admits(frozenset({submitter.peer_id.hex()}), job)
 
 
-def stage(index: int, *peers: tuple[str, float, str]) -> dict:
-    return {"stage": index, "peers": [{"peer_id": pid * 32, "samples_per_s": speed, "state": state}
-                                      for pid, speed, state in peers]}
+def stage(index: int, *peers: tuple) -> dict:
+    """Peers as `stage_peers` gives them: (id, speed, state[, reachable]); an unreachable one did
+    not answer the prober's call."""
+    return {"stage": index, "peers": [{"peer_id": pid * 32, "samples_per_s": speed, "state": state,
+                                       "reachable": reachable, "serves": reachable and state == "serving"}
+                                      for pid, speed, state, reachable in (p + (True,) * (4 - len(p)) for p in peers)]}
 
 
 def test_capacity_counts_unmeasured_peers_and_prefers_empty_stages() -> None:
@@ -61,6 +64,18 @@ def test_capacity_counts_unmeasured_peers_and_prefers_empty_stages() -> None:
     # One daemon serving two stages is one row per stage.
     stages = [stage(0, ("aa", 2.0, "serving")), stage(1, ("aa", 3.0, "serving"))]
     assert capacity_table(stages).expected == [2.0, 3.0]
+
+
+def test_only_peers_that_answered_count_and_a_claim_is_bounded_by_the_others() -> None:
+    # A record nobody answers for (a fake claiming 10^12 samples/s) counts nothing: stage 0 is empty.
+    stages = [stage(0, ("ee", 1e12, "serving", False)), stage(1)]
+    assert capacity_table(stages).expected == [0.0, 0.0]
+    stages = [stage(0, ("ee", 1e12, "serving", False)), stage(1, ("aa", 0.0, "joining"))]
+    assert choose_join_stage(capacity_table(stages), me=b"x") == 0
+    # A peer that answers but lies counts at most CLAIM_FACTOR times the lower median claim.
+    from swarmd.rebalance.table import CLAIM_FACTOR
+    stages = [stage(0, ("ee", 1e12, "serving")), stage(1, ("aa", 5.0, "serving"), ("bb", 5.0, "serving"))]
+    assert capacity_table(stages).expected == [5.0 * CLAIM_FACTOR, 10.0]
 
 
 def test_remembered_stages_round_trip_and_damage(tmp_path) -> None:

@@ -167,7 +167,7 @@ async def forge(pool: Pool, identity: Identity, target: str, job_id: bytes, stag
     key, victim = stage_key(job_id, stage), peer_id_of(victim_key)
     while not stop.is_set():
         expiration = time.time() + 60
-        value = announcement_value(FORGED_ADDR, {"samples_per_s": 1e9, "step": 0, "state": "serving"})
+        value = announcement_value(FORGED_ADDR, {"samples_per_s": 1e9, "queue": 0, "step": 0, "state": "serving"})
         payload = signing_payload(key, victim, value, expiration)
         records = [Record(key, victim, value, expiration, identity.sign(payload), victim_key),
                    sign_record(identity, key, victim, value, expiration)]

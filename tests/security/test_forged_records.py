@@ -50,7 +50,7 @@ async def test_forged_stage_announcements_are_refused_and_named_while_training_g
         victim = next(p for p in swarm.honest if p.stage == 0)
         for peer in swarm.honest:
             key = stage_key(kit.JOB_ID, peer.stage)
-            value = announcement_value(peer.addr, {"samples_per_s": 0.0, "step": 0, "state": "serving"})
+            value = announcement_value(peer.addr, {"samples_per_s": 0.0, "queue": 0, "step": 0, "state": "serving"})
             record = sign_record(peer.identity, key, peer.peer_id, value, time.time() + 600)
             reply = await peer.pool.call(storer.address, dht_protocol.STORE,
                                          Message(dht_protocol.store_request(key, [record])), timeout=10)
