@@ -5,10 +5,11 @@ goaway) live in `transport.protocol` and are tested on bytes alone; this shell f
 bytes, acts on its events, and owns what needs a loop: the writer, handler tasks, tensor encoding
 (offloaded to a thread past a size), the heartbeat, flow control and closing.
 
-One writer task drains the `Outbox` (control frames first, then calls round-robin, one chunk each)
-and waits whenever the transport's buffer is full, so the kernel's `TCP_NOTSENT_LOWAT` and our
-write-buffer limit keep bulk data queued where a small frame can still overtake it. Anything a peer
-does wrong aborts this one connection; every outstanding call then fails with ConnectionLost.
+What it writes goes through its `Sender` (control frames first, then calls one chunk at a time,
+payload bytes reserved against the in-flight budget); the writer waits whenever the transport's
+buffer is full, so the kernel's `TCP_NOTSENT_LOWAT` and our write-buffer limit keep bulk data queued
+where a small frame can still overtake it. Anything a peer does wrong aborts this one connection;
+every outstanding call then fails with ConnectionLost.
 """
 
 from __future__ import annotations
@@ -33,13 +34,25 @@ from .errors import (
 from .gate import HelloGate, source_of
 from .handshake import Handshake
 from .message import Message, RemoteInfo, Request, Router
-from .outbox import Budget, Outbox, payload_bytes
 from .payload import CODE_BAD_REPLY
-from .protocol import HELLO_LIMITS, Admit, Answer, Cancelled, GoingAway, Incoming, PeerRefused, Ready, RpcProtocol, Send
+from .protocol import (
+    HELLO_LIMITS,
+    Admit,
+    Answer,
+    Broken,
+    Cancelled,
+    GoingAway,
+    Incoming,
+    PeerRefused,
+    Ready,
+    RpcProtocol,
+    Send,
+)
 from .ratelimit import RateLimiter
 from .seal import Sealer
+from .sender import Sender
 from .tasks import TaskSet
-from .wire import ID, VERSION, Frame, Kind, Piece, encode_frame, encode_message
+from .wire import ID, VERSION, Frame, Kind, Piece, encode_frame
 
 if TYPE_CHECKING:
     import torch
@@ -84,20 +97,15 @@ class Connection(asyncio.Protocol):
                               swarm_key=config.swarm_key, limits=config.limits.as_dict(), app=config.app,
                               encrypt=config.encrypt, encrypt_setting=config.encrypt_setting)
         self._proto = RpcProtocol(handshake, config.limits, initiator=initiator, encrypt=config.encrypt, admit=admit)
-        # How we write a frame: the transport's writelines, or a Sealer's once the hello is done.
-        self._writelines: Callable[[list[Piece]], None] = lambda frame: None
         self._ready: asyncio.Future[RemoteInfo] = self._loop.create_future()
         self._closed: asyncio.Future[None] = self._loop.create_future()
         self._transport: asyncio.Transport | None = None
         self._tasks = TaskSet("connection", on_failure=self._task_failed)
-        self._outbox = Outbox()
-        self._budget = Budget(config.limits.max_inflight_bytes)
-        self._writable = asyncio.Event()
-        self._writable.set()
+        self._sender = Sender(config.limits.max_inflight_bytes, config.offload_threshold_bytes)
         self._calls: dict[int, Inbox] = {}
         self._handlers: dict[int, asyncio.Task] = {}
         self._call_slots = asyncio.Semaphore(config.max_pending_calls)
-        self._last_rx = self._last_tx = self._loop.time()
+        self._last_rx = self._loop.time()
         self._undelivered = 0
         self._reading_paused = False
         self._handshake_timer: asyncio.TimerHandle | None = None
@@ -145,7 +153,7 @@ class Connection(asyncio.Protocol):
         """Payload reserved by senders and not yet written, plus what the event-loop transport
         holds: all the memory this connection pins for sending, whatever the peer does."""
         held = self._transport.get_write_buffer_size() if self._transport is not None else 0
-        return self._budget.used + held
+        return self._sender.budget.used + held
 
     # ------------------------------------------------------------------- asyncio.Protocol hooks
 
@@ -170,10 +178,10 @@ class Connection(asyncio.Protocol):
                 return
             self._gate_source = source
         transport.set_write_buffer_limits(high=self._config.write_buffer_bytes)
-        self._writelines = self._socket_writelines()
+        self._sender.attach(self._socket_writelines())
         self._handshake_timer = self._loop.call_later(self._config.handshake_timeout_s, self._hello_overdue)
-        self._send_control(self._proto.hello_frame())
-        self._tasks.spawn(self._write_loop(), "writer")
+        self._sender.control(self._proto.hello_frame())
+        self._tasks.spawn(self._sender.run(), "writer")
 
     def _local_refusal(self) -> str | None:
         assert self._admit_local is not None
@@ -203,12 +211,6 @@ class Connection(asyncio.Protocol):
                 if self._proto.closed is not None:
                     return
                 self._on_event(event)
-        except HandshakeError as exc:
-            log.info("hello with %s failed: %s", self._address, exc)
-            self._refuse(exc)
-        except ProtocolError as exc:
-            log.warning("closing connection from %s: %s", self._address, exc)
-            self.abort(exc)
         except Exception as exc:  # a bug of ours: drop this connection rather than leave it wedged
             log.exception("closing connection from %s after an internal error", self._address)
             self.abort(ConnectionLost(f"internal error: {type(exc).__name__}: {exc}"))
@@ -217,7 +219,7 @@ class Connection(asyncio.Protocol):
         if isinstance(event, Answer):
             self._on_answer(event.rid, event.frame)
         elif isinstance(event, Send):
-            self._send_control(event.frame)
+            self._sender.control(event.frame)
         elif isinstance(event, Incoming):
             self._on_request(event)
         elif isinstance(event, Cancelled):
@@ -228,8 +230,18 @@ class Connection(asyncio.Protocol):
             self._become_ready(event)
         elif isinstance(event, PeerRefused):
             self.abort(HandshakeError(f"the peer refused the hello: {event.reason}", "refused_by_peer"))
+        elif isinstance(event, Broken):
+            self._broken(event.error)
         else:
             assert isinstance(event, GoingAway)
+
+    def _broken(self, error: ProtocolError) -> None:
+        if isinstance(error, HandshakeError):
+            log.info("hello with %s failed: %s", self._address, error)
+            self._refuse(error)
+        else:
+            log.warning("closing connection from %s: %s", self._address, error)
+            self.abort(error)
 
     def eof_received(self) -> bool:
         self.abort(ConnectionLost("the peer closed the connection"))
@@ -241,10 +253,10 @@ class Connection(asyncio.Protocol):
             self._closed.set_result(None)
 
     def pause_writing(self) -> None:
-        self._writable.clear()
+        self._sender.pause()
 
     def resume_writing(self) -> None:
-        self._writable.set()
+        self._sender.resume()
 
     def _become_ready(self, ready: Ready) -> None:
         if self._handshake_timer is not None:
@@ -253,9 +265,9 @@ class Connection(asyncio.Protocol):
         if ready.keys is not None:
             # Every hello frame was written at once (the outbox is empty during the hello, as its few
             # KiB never fill the write buffer), so from here on each frame is sealed, in order.
-            assert self._transport is not None and not self._outbox
-            self._writelines = Sealer(ready.keys[0], self._socket_writelines()).writelines
-        self._budget.capacity = self._proto.send_limits.max_inflight_bytes
+            assert self._transport is not None and not self._sender.outbox
+            self._sender.attach(Sealer(ready.keys[0], self._socket_writelines()).writelines)
+        self._sender.budget.capacity = self._proto.send_limits.max_inflight_bytes
         self.remote = ready.remote
         self._rate_key = self.remote.peer_id or ("source", source_of(self._address))
         self._ready.set_result(self.remote)
@@ -303,9 +315,7 @@ class Connection(asyncio.Protocol):
             log.warning("closing connection from %s: %s", self._address, exc)
             self.abort(exc)
         except asyncio.CancelledError:
-            dropped = self._outbox.drop(rid)
-            self._budget.release(dropped.payload)
-            if dropped.partial:  # abandon a reply that is partly on the wire
+            if self._sender.drop(rid).partial:  # abandon a reply that is partly on the wire
                 self._send_error(rid, CODE_CANCELLED, "cancelled")
             raise
         except Exception as exc:
@@ -330,11 +340,11 @@ class Connection(asyncio.Protocol):
                 await self._send_message(Kind.STREAM_ITEM, rid, payload.check_reply(method, item), {})
         finally:
             await items.aclose()
-        self._send_frames(rid, [encode_frame(Kind.STREAM_END, {ID: rid})])
+        self._sender.frames(rid, [encode_frame(Kind.STREAM_END, {ID: rid})])
 
     def _send_error(self, rid: int, code: str, message: str) -> None:
         if self._proto.closed is None:
-            self._send_frames(rid, [self._proto.error_frame(rid, code, message)])
+            self._sender.frames(rid, [self._proto.error_frame(rid, code, message)])
 
     # --------------------------------------------------------------------------- client side
 
@@ -376,11 +386,9 @@ class Connection(asyncio.Protocol):
         for item in inbox.frames:  # items the consumer never took
             if item.kind is Kind.STREAM_ITEM:
                 self._account_undelivered(-payload.frame_bytes(item))
-        dropped = self._outbox.drop(rid)
-        self._budget.release(dropped.payload)
-        cancel = self._proto.end_call(rid, untouched=dropped.untouched)
+        cancel = self._proto.end_call(rid, untouched=self._sender.drop(rid).untouched)
         if cancel is not None:
-            self._send_control(cancel)
+            self._sender.control(cancel)
 
     async def _send_request(self, rid: int, method: str, message: Message, deadline: float) -> None:
         extra = {"m": method, "t": max(0.0, deadline - self._loop.time())}
@@ -409,29 +417,7 @@ class Connection(asyncio.Protocol):
     # ----------------------------------------------------------------------- sending payloads
 
     async def _send_message(self, kind: Kind, rid: int, message: Message, extra: dict) -> None:
-        """Encode `message` and queue its frames under call `rid`, after reserving its bytes."""
-        tensors, limits = list(message.tensors), self._proto.send_limits
-        if not tensors:  # control-sized: no budget, no codec, one frame
-            self._check_alive()
-            header = {ID: rid, **extra, "meta": message.meta, "x": []}
-            self._send_frames(rid, [encode_frame(kind, header, (), limits)])
-            return
-        held = min(sum(payload.nbytes(t) for t in tensors), self._budget.capacity)
-        await self._budget.acquire(held)
-        try:
-            metas, buffers = await self._offload(held, payload.encode_all, tensors, message.codec)
-            frames = encode_message(kind, {ID: rid, **extra, "meta": message.meta, "x": metas}, buffers, limits)
-            actual = sum(memoryview(b).nbytes for b in buffers)
-            if actual > held:
-                await self._budget.acquire(actual - held)
-            else:
-                self._budget.release(held - actual)
-            held = actual
-            self._check_alive()
-            self._send_frames(rid, frames)
-        except BaseException:
-            self._budget.release(held)
-            raise
+        await self._sender.message(kind, rid, message, extra, self._proto.send_limits, self._check_alive)
 
     async def _decode(self, header: dict, buffers: list) -> tuple[dict, list[torch.Tensor]]:
         meta, metas = header.get("meta"), header.get("x")
@@ -439,48 +425,14 @@ class Connection(asyncio.Protocol):
             raise MalformedFrame("data frame lacks its meta map or tensor list")
         if not metas and not buffers:
             return meta, []
-        size = sum(len(b) for b in buffers)
-        return meta, await self._offload(size, payload.decode_all, metas, buffers, self._config.limits)
-
-    async def _offload(self, size: int, work: Callable[..., Any], *args: Any) -> Any:
-        """Codec work on the loop when small, in a worker thread past `offload_threshold_bytes`."""
-        if size > self._config.offload_threshold_bytes:
-            return await self._loop.run_in_executor(None, work, *args)
-        return work(*args)
+        size, threshold = sum(len(b) for b in buffers), self._config.offload_threshold_bytes
+        return meta, await payload.offload(size, threshold, payload.decode_all, metas, buffers, self._config.limits)
 
     def _check_alive(self) -> None:
         if self._proto.closed is not None:
             raise ConnectionLost(f"connection to {self._address} closed: {self._proto.closed}") from self._proto.closed
 
     # ------------------------------------------------------------------ writer, heartbeat, flow
-
-    def _send_control(self, frame: list[Piece]) -> None:
-        if not self._write_now(frame):
-            self._outbox.put_control(frame)
-
-    def _send_frames(self, key: int, frames: list[list[Piece]]) -> None:
-        if len(frames) == 1 and self._write_now(frames[0]):
-            self._budget.release(payload_bytes(frames[0]))
-        else:
-            self._outbox.put(key, frames)
-
-    def _write_now(self, frame: list[Piece]) -> bool:
-        """Write at once when nothing is queued and the socket takes data: a small call then
-        costs no wake-up of the writer task (half the latency of a ping-pong on loopback)."""
-        if self._outbox or not self._writable.is_set() or self._transport is None or self._proto.closed is not None:
-            return False
-        self._writelines(frame)
-        self._last_tx = self._loop.time()
-        return True
-
-    async def _write_loop(self) -> None:
-        while True:
-            await self._writable.wait()
-            item = await self._outbox.get()
-            self._writelines(item.frame)
-            self._last_tx = self._loop.time()
-            if item.payload:
-                self._budget.release(item.payload)
 
     async def _heartbeat(self) -> None:
         interval, limit = self._config.heartbeat_interval_s, self._config.heartbeat_timeout_s
@@ -493,9 +445,9 @@ class Connection(asyncio.Protocol):
             elif now - self._last_rx > limit:
                 self.abort(ConnectionLost(f"nothing heard from {self._address} for {limit} s"))
                 return
-            if now - self._last_tx >= interval:
-                self._send_control(ping)
-                self._last_tx = now
+            if now - self._sender.last_tx >= interval:
+                self._sender.control(ping)
+                self._sender.last_tx = now
 
     def _account_undelivered(self, delta: int) -> None:
         """Stop reading while stream items pile up unconsumed; TCP then slows the sender."""
@@ -519,9 +471,9 @@ class Connection(asyncio.Protocol):
         if self._proto.closed is None and self._transport is not None:
             goaway = self._proto.goaway_frame()
             if goaway is not None:
-                self._send_control(goaway)
-            await self._drain(lambda: bool(self._outbox or self._handlers))
-            flushed = not self._outbox and self._transport.get_write_buffer_size() == 0
+                self._sender.control(goaway)
+            await self._drain(lambda: bool(self._sender.outbox or self._handlers))
+            flushed = not self._sender.outbox and self._transport.get_write_buffer_size() == 0
             self._shutdown(ConnectionLost("closed locally"))
             # A peer that stopped reading would hold a graceful close open forever.
             (self._transport.close if flushed else self._transport.abort)()
@@ -552,6 +504,7 @@ class Connection(asyncio.Protocol):
     def _shutdown(self, error: BaseException) -> None:
         if not self._proto.close(error):
             return
+        self._sender.attach(None)
         if isinstance(error, HandshakeError) and self._config.traffic is not None:
             self._config.traffic.failed_hello(error.reason)
         if self._handshake_timer is not None:
@@ -565,7 +518,7 @@ class Connection(asyncio.Protocol):
             lost.__cause__ = error
         for inbox in self._calls.values():
             inbox.fail(lost)
-        self._budget.fail(lost)
+        self._sender.budget.fail(lost)
         self._tasks.cancel_all("connection closed")
         if self._on_closed is not None:
             self._on_closed(self)

@@ -4,8 +4,8 @@
 welcome or refusal; `handshake.Handshake` checks what each carries), which frame kinds each role
 may receive, call ids and their reuse, whether an answer fits the call it names (unary or stream),
 late answers to abandoned calls, CANCEL and GOAWAY. It never touches a socket, a task or a clock:
-`receive_data(bytes)` returns the events the bytes make (or raises `HandshakeError` /
-`ProtocolError`: the connection must end), and the methods a caller uses (`start_call`,
+`receive_data(bytes)` returns the events the bytes make, in order, ending with `Broken` when the
+peer broke a rule (the connection must end; frames owed before it, like our proof, still go), and the methods a caller uses (`start_call`,
 `end_call`, `request_done`) say which frames are owed to the peer. `connection.Connection` is the
 asyncio shell around it: it writes, schedules, encodes tensors, runs handlers and keeps time.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConnectionLost, HandshakeError, LocalProtocolError, MalformedFrame
+from .errors import ConnectionLost, HandshakeError, LocalProtocolError, MalformedFrame, ProtocolError
 from .handshake import MAX_HELLO_BYTES, Handshake
 from .limits import LENGTH_ENTRY_BYTES, PRELUDE_BYTES, KiB, Limits
 from .message import RemoteInfo
@@ -118,7 +118,15 @@ class GoingAway:
     """The peer starts no new calls on this connection, and takes none."""
 
 
-Event = Send | Ready | PeerRefused | Answer | Incoming | Cancelled | GoingAway
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """The peer broke a rule (a `HandshakeError` during the hello, else a `ProtocolError`): the
+    connection must end. Always the last event; nothing after it is read."""
+
+    error: ProtocolError
+
+
+Event = Send | Ready | PeerRefused | Answer | Incoming | Cancelled | GoingAway | Broken
 
 
 # ----------------------------------------------------------------------------------- the core
@@ -151,7 +159,7 @@ class RpcProtocol:
         self._keys: tuple[bytes, bytes] | None = None
         self._opener: Opener | None = None
         self._hello_received = False
-        self._refused = False
+        self._stopped = False  # the peer refused us or broke a rule: read nothing more
         self._hello_left = 0  # encrypting, in the hello: bytes left of the hello frame being read
         self._hello_prelude = bytearray()
         self._ids = itertools.count(1)
@@ -186,21 +194,25 @@ class RpcProtocol:
     # ---------------------------------------------------------------------------- bytes in
 
     def receive_data(self, data: bytes | memoryview) -> list[Event]:
-        """Events from the peer's bytes; raises HandshakeError or ProtocolError on a broken rule."""
+        """Events from the peer's bytes, in order; a broken rule ends them with `Broken`."""
         events: list[Event] = []
         if not self._reading:
             return events
-        if self._opener is not None:
-            self._feed(self._opener.open(data), events)
-        elif self._encrypt:
-            self._feed_hello(data, events)
-        else:
-            self._feed(data, events)
+        try:
+            if self._opener is not None:
+                self._feed(self._opener.open(data), events)
+            elif self._encrypt:
+                self._feed_hello(data, events)
+            else:
+                self._feed(data, events)
+        except ProtocolError as exc:  # HandshakeError included
+            self._stopped = True
+            events.append(Broken(exc))
         return events
 
     @property
     def _reading(self) -> bool:
-        return self.closed is None and not self._refused
+        return self.closed is None and not self._stopped
 
     def _feed(self, data: bytes | memoryview, events: list[Event]) -> None:
         self._decoder.feed(data)
@@ -247,7 +259,7 @@ class RpcProtocol:
         elif "welcome" in header and self.initiator and self.remote is not None:
             self._become_ready(events)
         elif "refused" in header:
-            self._refused = True  # the peer hangs up: nothing after this frame is read
+            self._stopped = True  # the peer hangs up: nothing after this frame is read
             events.append(PeerRefused(str(header["refused"])))
         else:
             raise HandshakeError(f"unexpected hello message {sorted(header)}")

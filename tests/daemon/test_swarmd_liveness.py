@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from waiting import until
 
 from swarmd.liveness import PeerBook, ping_loop
 
@@ -48,7 +49,8 @@ async def test_ping_loop_records_the_proven_id_and_skips_failures() -> None:
     task = asyncio.create_task(ping_loop(
         book, lambda: [(A, "fast:1"), (C, "slow:1")], ping, interval_s=0.01, timeout_s=0.05,
         clock=lambda: 50.0, on_result=results.append))
-    await asyncio.sleep(0.2)
+    await until(lambda: True in results and False in results and book.alive(B, 50.0), 10,
+                "a good answer and a failed ping")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

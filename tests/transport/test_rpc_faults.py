@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from waiting import until
 
 from transport.errors import ConnectionLost, DeadlineExceeded
 from transport.limits import MiB, Limits
@@ -229,7 +230,8 @@ async def test_a_stopped_peer_costs_a_caller_its_deadline_and_the_pool_its_close
     stuck = asyncio.create_task(
         pool.call(server.address, "echo", Message({}, [torch.zeros(16 * MiB)], codec="none"), timeout=60)
     )
-    await asyncio.sleep(0.5)
+    conn = await pool.connect(server.address)
+    await until(lambda: conn.buffered_bytes > 0, 10, "the 16 MiB call to be on its way")
     started = time.monotonic()
     await pool.close()
     assert time.monotonic() - started < config.close_timeout_s + 5

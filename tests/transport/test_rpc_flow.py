@@ -186,10 +186,10 @@ async def _idle(pool: Pool, srv: RpcServer) -> None:
     conn = await pool.connect(srv.address)
     (server_conn,) = srv._connections
     for _ in range(2000):
-        if not (conn._calls or conn._outbox or conn.buffered_bytes or server_conn._handlers):
+        if not (conn._calls or conn._sender.outbox or conn.buffered_bytes or server_conn._handlers):
             return
         await asyncio.sleep(0.005)
-    raise AssertionError(f"the call left state behind after being cancelled: {conn._calls} {bool(conn._outbox)} {conn._budget.used} {conn.buffered_bytes} {server_conn._handlers}")
+    raise AssertionError(f"the call left state behind after being cancelled: {conn._calls} {bool(conn._sender.outbox)} {conn._sender.budget.used} {conn.buffered_bytes} {server_conn._handlers}")
 
 
 @pytest.mark.parametrize("kind", ["unary", "stream"])

@@ -13,6 +13,7 @@ from transport.identity import Identity
 from transport.limits import Limits
 from transport.protocol import (
     Answer,
+    Broken,
     Cancelled,
     GoingAway,
     Incoming,
@@ -68,8 +69,11 @@ class Link:
                     self.deliver(peer, data)
 
     def deliver(self, side: str, data: bytes) -> list:
+        """The events `data` makes on `side`; a broken rule is raised here, as the shell would end on it."""
         events = getattr(self, side).receive_data(data)
         for event in events:
+            if isinstance(event, Broken):
+                raise event.error
             if isinstance(event, Send):
                 self.write(side, event.frame)
             elif isinstance(event, Ready) and event.keys is not None:
@@ -139,17 +143,30 @@ def test_encrypted_hello_gives_keys_and_a_sealed_frame_behind_the_welcome_is_ope
     assert events[0].keys is not None and joined(events[1].frame) == joined(encode_frame(Kind.PONG, {}))
 
 
-def test_a_frame_other_than_hello_before_the_welcome_is_a_handshake_error():
+def test_a_frame_other_than_hello_before_the_welcome_is_a_handshake_error_and_ends_reading():
     client = protocol(True, seed=b"client")
-    with pytest.raises(HandshakeError, match="REQUEST before the hello finished"):
-        client.receive_data(joined(request(1)))
+    (broken,) = client.receive_data(joined(request(1)))
+    assert isinstance(broken, Broken) and isinstance(broken.error, HandshakeError)
+    assert "REQUEST before the hello finished" in str(broken.error)
+    assert client.receive_data(joined(request(2))) == []
+
+
+def test_the_proof_owed_before_a_failing_frame_of_the_same_read_is_still_sent():
+    """The server's hello and its proof arrive in one read, and the proof fails (another swarm
+    key). Our own proof, owed for the hello, comes out first, so the server can tell why."""
+    client = protocol(True, seed=b"client", swarm_key=KEY)
+    server = protocol(False, seed=b"server", swarm_key=b"j" * 32)
+    server_proof = server.receive_data(joined(client.hello_frame()))
+    (owed, broken) = client.receive_data(joined(server.hello_frame()) + joined(server_proof[0].frame))
+    assert isinstance(owed, Send) and b"proof" in joined(owed.frame)
+    assert isinstance(broken, Broken) and broken.error.reason == "swarm_key"
 
 
 def test_the_hello_decoder_refuses_a_big_frame_before_the_peer_is_proven():
     """Only the prelude arrives: its announced header length alone is refused, nothing is reserved."""
     server = protocol(False, seed=b"server")
-    with pytest.raises(LimitExceeded):
-        server.receive_data(PRELUDE.pack(MAGIC, VERSION, Kind.HELLO, 0, 40_000, 0))
+    (broken,) = server.receive_data(PRELUDE.pack(MAGIC, VERSION, Kind.HELLO, 0, 40_000, 0))
+    assert isinstance(broken.error, LimitExceeded)
 
 
 def test_admission_refusal_and_a_failing_hook_refuse_the_hello():
@@ -200,10 +217,10 @@ def test_call_ids_are_never_reused_on_a_connection():
 def test_a_server_serves_an_id_again_only_once_the_first_request_is_done():
     link = ready_link()
     link.deliver("server", joined(request(7)))
-    with pytest.raises(MalformedFrame, match="request id 7 is already running"):
-        link.deliver("server", joined(request(7)))
     link.server.request_done(7)
     assert [type(e) for e in link.deliver("server", joined(request(7)))] == [Incoming]
+    with pytest.raises(MalformedFrame, match="request id 7 is already running"):
+        link.deliver("server", joined(request(7)))
 
 
 @pytest.mark.parametrize("kind", [Kind.STREAM_ITEM, Kind.STREAM_END])
