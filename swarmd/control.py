@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Protocol
 
 from swarmd.dht import DHTError, dht_key
 from swarmd.jobs import JobRegistry, JobRequestError
+from swarmd.jobs.exporting import export_messages
 from swarmd.jobs.serving import Serving
 from swarmd.jobs.training import Training
 from transport.errors import RpcError
@@ -169,7 +170,15 @@ def register(router: Router, daemon: DaemonView) -> None:
         await daemon.training.start(job, range(shard, shard + 1), shards)
         return Message({"job": job.job_id.hex(), "trainer": f"{shard}/{shards}"})
 
+    async def job_export(req: Request):
+        with _job_errors():
+            job = await daemon.jobs.find(req.meta.get("job"))
+            peers = await daemon.jobs.stage_peers(job)
+        async for message in export_messages(job, peers, daemon.pool, daemon.config.daemon.state_dir):
+            yield message
+
     router.unary("job.submit", job_submit)
+    router.stream("job.export", job_export)
     router.unary("job.list", job_list)
     router.unary("job.get", job_get)
     router.unary("job.cancel", job_cancel)
