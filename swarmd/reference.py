@@ -22,7 +22,9 @@ import torch
 from swarmd.job.data import TrainingData, open_training_data
 from swarmd.job.errors import DataError, SpecError
 from swarmd.job.spec import JobSpec, load_spec
-from swarmd.model.composed import ComposedModel, build_reference
+from swarmd.model.export import ExportError
+from swarmd.model.composed import ComposedModel
+from swarmd.model.init import build_initial_stage
 from swarmd.optim.stage_optimizer import StageOptimizer, StepReport
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,9 @@ class ReferenceTrainer:
     def __init__(self, spec: JobSpec, data: TrainingData) -> None:
         self.spec = spec
         self.data = data
-        self.model: ComposedModel = build_reference(spec.model.config, spec.pipeline.stages, spec.seed)
+        n = spec.pipeline.stages
+        self.model = ComposedModel([build_initial_stage(spec.model.config, i, n, spec.seed, "cpu", spec.model.init,
+                                                        spec.model.init_digest) for i in range(n)])
         self.optimizers = [StageOptimizer(stage, spec.optim, spec.steps) for stage in self.model.stages]
         self.step = 0
 
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(steps):
             results.append(trainer.train_step())
             print(f"step {results[-1].step} loss {results[-1].loss:.4f}", flush=True)
-    except (SpecError, DataError) as exc:
+    except (SpecError, DataError, ExportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.out:

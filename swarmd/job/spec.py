@@ -41,6 +41,8 @@ Aggregate = Literal["mean", "centered_clip"]
 class ModelSpec:
     arch: str
     config: Any  # the architecture's frozen config dataclass
+    init: str | None = None  # pretrained weights every stage starts from (swarmd.model.init)
+    init_digest: str | None = None  # their combined digest, which every stage peer verifies
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,8 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         """The canonical form: every default filled in, keys sorted, only msgpack-able values."""
         out = table_to_dict({name: getattr(self, name) for name in ("name", "seed", "steps", *_SECTIONS)})
-        out["model"] = dict(sorted({"arch": self.model.arch, **table_to_dict(self.model.config)}.items()))
+        init = {k: v for k, v in (("init", self.model.init), ("init_digest", self.model.init_digest)) if v is not None}
+        out["model"] = dict(sorted({"arch": self.model.arch, **table_to_dict(self.model.config), **init}.items()))
         return dict(sorted(out.items()))
 
     def to_msgpack(self) -> bytes:
@@ -260,10 +263,36 @@ def _parse_model(raw: Any, data: DataSpec) -> ModelSpec:
         arch = get_architecture(arch_name)
     except UnknownArchitecture as exc:
         raise SpecError("model.arch", str(exc)) from None
+    init, init_digest = _parse_model_init(raw)
     try:
-        config = arch.parse_config({k: v for k, v in raw.items() if k != "arch"}, data.seq_len)
+        config = arch.parse_config({k: v for k, v in raw.items() if k not in ("arch", *_INIT_KEYS)}, data.seq_len)
     except ConfigError as exc:
         raise SpecError(f"model.{exc.field}", exc.message) from None
     if data.files is not None and config.vocab < 256:
         raise SpecError("model.vocab", f"is {config.vocab}, but byte-level text needs at least 256")
-    return ModelSpec(arch_name, config)
+    return ModelSpec(arch_name, config, init, init_digest)
+
+
+# ---------------------------------------------------------------------------------------- [model] init
+# Pretrained weights (docs/models.md). Every stage peer opens `init` itself, so it is an absolute
+# path (a relative one would mean a different file on each daemon); the digest is what makes those
+# files provably the same bits, so it is required with `init`.
+_INIT_KEYS = ("init", "init_digest")
+MAX_INIT_PATH_BYTES = 4096  # Linux's PATH_MAX: no longer path can be opened anyway
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _parse_model_init(raw: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    init = parse_value(raw.get("init"), str | None, "model.init")
+    digest = parse_value(raw.get("init_digest"), str | None, "model.init_digest")
+    if init is None:
+        if digest is not None:
+            raise SpecError("model.init_digest", "is only meaningful with model.init")
+        return None, None
+    if len(init.encode()) > MAX_INIT_PATH_BYTES or "\0" in init or not init.startswith("/"):
+        raise SpecError("model.init", f"must be an absolute path of at most {MAX_INIT_PATH_BYTES} bytes: "
+                                      "every stage peer opens it where it runs")
+    if digest is None or not _DIGEST.fullmatch(digest):
+        raise SpecError("model.init_digest", "is required with model.init: 'sha256:' and 64 hex digits, "
+                                             "as `python -m swarmd.model.init PATH` prints it")
+    return init, digest

@@ -84,7 +84,8 @@ def write_export(directory: str | Path, config: Any, num_stages: int, job: dict[
             "step": min(s.step for s in stages), "digest": combined_digest(digests),
             "stages": [{"stage": s.stage, "step": s.step, "digest": d, "source": s.source}
                        for s, d in zip(stages, digests)]}
-    _atomic(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": EXPORT_FORMAT}))
+    header = {"format": EXPORT_FORMAT, "stage_digests": json.dumps(digests)}  # swarmd.model.init reads these
+    _atomic(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata=header))
     _atomic(directory / CONFIG_FILE, lambda path: path.write_text(json.dumps(meta, indent=1) + "\n"))
     return directory
 
