@@ -20,6 +20,7 @@ import msgpack
 from swarmd.job.data import resolve_sources
 from swarmd.job.errors import SpecError
 from swarmd.model.config import ConfigError, parse_table, parse_value, table_to_dict
+from swarmd.model.precision import GROWTH_INTERVAL, INITIAL_SCALE, MAX_SCALE, MIN_SCALE
 from swarmd.model.registry import UnknownArchitecture, get_architecture
 
 # A spec is a few hundred bytes; this bounds what a DHT record or a file can make us parse.
@@ -151,6 +152,24 @@ class CheckpointSpec:
             raise ConfigError("every_steps", "must not be negative (0: never)")
 
 
+@dataclass(frozen=True)
+class ComputeSpec:
+    """[compute]: the precision policy every stage and the reference follow (swarmd/model/precision.py).
+    Bounds: the loss scale's are the scaler's own; growth past a million clean steps is never."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = INITIAL_SCALE  # fp16 only: each stage's starting scale
+    growth_interval: int = GROWTH_INTERVAL  # fp16 only: clean steps before a stage doubles its scale
+
+    def __post_init__(self) -> None:
+        if not MIN_SCALE <= self.loss_scale <= MAX_SCALE:
+            raise ConfigError("loss_scale", f"must be in [{MIN_SCALE:g}, {MAX_SCALE:g}]")
+        if not 1 <= self.growth_interval <= MAX_GROWTH_INTERVAL:
+            raise ConfigError("growth_interval", f"must be in [1, {MAX_GROWTH_INTERVAL}]")
+
+
+MAX_GROWTH_INTERVAL = 1_000_000
+
 _SECTIONS: dict[str, type] = {"data": DataSpec, "batch": BatchSpec, "optim": OptimSpec, "wire": WireSpec,
                               "pipeline": PipelineSpec, "checkpoint": CheckpointSpec}
 _REQUIRED = ("name", "steps", "model", "data", "batch")
@@ -168,6 +187,7 @@ class JobSpec:
     wire: WireSpec = field(default_factory=WireSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    compute: ComputeSpec = field(default_factory=ComputeSpec)
 
     @classmethod
     def from_dict(cls, raw: Any) -> "JobSpec":
@@ -192,6 +212,10 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         """The canonical form: every default filled in, keys sorted, only msgpack-able values."""
         out = table_to_dict({name: getattr(self, name) for name in ("name", "seed", "steps", *_SECTIONS)})
+        if self.compute != ComputeSpec():
+            # Only when set: a default job's canonical form (and id) stays what daemons that
+            # predate [compute] publish and accept.
+            out["compute"] = table_to_dict(self.compute)
         init = {k: v for k, v in (("init", self.model.init), ("init_digest", self.model.init_digest)) if v is not None}
         out["model"] = dict(sorted({"arch": self.model.arch, **table_to_dict(self.model.config), **init}.items()))
         return dict(sorted(out.items()))
@@ -232,7 +256,7 @@ def load_spec(path: str | Path, check_data: bool = True) -> JobSpec:
 def _parse(raw: Any) -> JobSpec:
     if not isinstance(raw, Mapping):
         raise SpecError("<spec>", "must be a table")
-    known = {"name", "seed", "steps", "model", *_SECTIONS}
+    known = {"name", "seed", "steps", "model", "compute", *_SECTIONS}
     for key in raw:
         if key not in known:
             raise SpecError(str(key), f"unknown key (known: {', '.join(sorted(known))})")
@@ -250,7 +274,8 @@ def _parse(raw: Any) -> JobSpec:
         raise SpecError("steps", "must be at least 1")
     sections = {key: parse_table(cls, raw.get(key, {}), key) for key, cls in _SECTIONS.items()}
     model = _parse_model(raw["model"], sections["data"])
-    return JobSpec(name=name, seed=seed, steps=steps, model=model, **sections)
+    compute = parse_table(ComputeSpec, raw.get("compute", {}), "compute")
+    return JobSpec(name=name, seed=seed, steps=steps, model=model, compute=compute, **sections)
 
 
 def _parse_model(raw: Any, data: DataSpec) -> ModelSpec:
