@@ -1,7 +1,7 @@
 """Training data and its order: the same (seed, step, microbatch) gives the same samples everywhere.
 
 A dataset is one long token stream, either text files read as bytes by the byte-level tokenizer or a
-nanoGPT `.bin` file (raw little-endian uint16, memory-mapped). Sample i is the window of `seq_len`
+`.bin` token file (raw little-endian uint16 as nanoGPT's, or uint32; memory-mapped: swarmd.tokenfile). Sample i is the window of `seq_len`
 tokens at `i * seq_len` with its next-token targets. Each epoch is a seeded permutation of the
 samples cut into whole global batches (the remainder is skipped, a different one each epoch), so the
 samples of a step are always distinct; step s's batch is split in order into microbatches whose ids
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from swarmd.job.errors import DataError, SpecError
+from swarmd.tokenfile import TokenDtype, TokenFileError, map_tokens
 
 if TYPE_CHECKING:
     from swarmd.job.spec import BatchSpec, DataSpec
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 # Text files are loaded into memory; past this, pre-tokenize them into a memory-mapped `.bin` file.
 MAX_TEXT_BYTES = 1 << 30
 STDLIB_PLACEHOLDER = "{stdlib}"
-TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin layout
 
 
 class ByteTokenizer:
@@ -54,6 +54,7 @@ class Sources:
 
     files: tuple[Path, ...] = ()
     tokens: Path | None = None
+    token_dtype: TokenDtype = "uint16"
 
 
 def expand_path(pattern: str, base_dir: Path) -> str:
@@ -151,7 +152,7 @@ def resolve_sources(data: "DataSpec", base_dir: str | Path, limits: GlobLimits =
         path = Path(expand_path(data.tokens, base))
         if not path.is_file():
             raise SpecError("data.tokens", f"{path} is not a file")
-        return Sources(tokens=path)
+        return Sources(tokens=path, token_dtype=data.token_dtype)
     found: set[Path] = set()
     walk = _GlobWalk(limits)
     for pattern in data.files or ():
@@ -173,10 +174,10 @@ def resolve_sources(data: "DataSpec", base_dir: str | Path, limits: GlobLimits =
 def read_tokens(sources: Sources, max_text_bytes: int = MAX_TEXT_BYTES) -> np.ndarray:
     """The whole token stream: uint8 bytes of the files in path order, or the memory-mapped .bin."""
     if sources.tokens is not None:
-        size = sources.tokens.stat().st_size
-        if size % TOKEN_DTYPE.itemsize or size == 0:
-            raise SpecError("data.tokens", f"{sources.tokens} is {size} bytes, not a whole number of uint16 tokens")
-        return np.memmap(sources.tokens, dtype=TOKEN_DTYPE, mode="r")
+        try:
+            return map_tokens(sources.tokens, sources.token_dtype)
+        except TokenFileError as exc:
+            raise SpecError("data.tokens", str(exc)) from None
     total = sum(path.stat().st_size for path in sources.files)
     if total > max_text_bytes:
         raise SpecError("data.files", f"{total} bytes of text exceed max_text_bytes ({max_text_bytes}); "

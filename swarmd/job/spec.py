@@ -22,6 +22,7 @@ from swarmd.job.errors import SpecError
 from swarmd.model.config import ConfigError, parse_table, parse_value, table_to_dict
 from swarmd.model.precision import GROWTH_INTERVAL, INITIAL_SCALE, MAX_SCALE, MIN_SCALE
 from swarmd.model.registry import UnknownArchitecture, get_architecture
+from swarmd.tokenfile import TokenDtype, vocab_problem
 
 # A spec is a few hundred bytes; this bounds what a DHT record or a file can make us parse.
 MAX_SPEC_BYTES = 64 * 1024
@@ -49,11 +50,12 @@ class ModelSpec:
 @dataclass(frozen=True)
 class DataSpec:
     """Either text `files` (globs; `{stdlib}` is Python's stdlib dir; relative to the spec file)
-    read as bytes, or a nanoGPT `.bin` file of little-endian uint16 `tokens`."""
+    read as bytes, or a `.bin` file of little-endian uint16 (nanoGPT's) or uint32 `tokens`."""
 
     seq_len: int
     files: tuple[str, ...] | None = None
     tokens: str | None = None
+    token_dtype: TokenDtype = "uint16"  # the width of the ids in `tokens` (swarmd/tokenfile.py)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -62,6 +64,8 @@ class DataSpec:
             raise ConfigError("files", "give exactly one of data.files and data.tokens")
         if self.files is not None and not self.files:
             raise ConfigError("files", "must list at least one pattern")
+        if self.token_dtype != "uint16" and self.tokens is None:
+            raise ConfigError("token_dtype", "is only meaningful with data.tokens")
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,8 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         """The canonical form: every default filled in, keys sorted, only msgpack-able values."""
         out = table_to_dict({name: getattr(self, name) for name in ("name", "seed", "steps", *_SECTIONS)})
+        if self.data.token_dtype == "uint16":
+            del out["data"]["token_dtype"]  # nanoGPT's width, left out as [compute] is: ids unchanged
         if self.compute != ComputeSpec():
             # Only when set: a default job's canonical form (and id) stays what daemons that
             # predate [compute] publish and accept.
@@ -295,6 +301,8 @@ def _parse_model(raw: Any, data: DataSpec) -> ModelSpec:
         raise SpecError(f"model.{exc.field}", exc.message) from None
     if data.files is not None and config.vocab < 256:
         raise SpecError("model.vocab", f"is {config.vocab}, but byte-level text needs at least 256")
+    if data.tokens is not None and (problem := vocab_problem(data.token_dtype, config.vocab)):
+        raise SpecError("model.vocab", problem)
     return ModelSpec(arch_name, config, init, init_digest)
 
 
