@@ -7,7 +7,9 @@ stages. While it trains, every `--preempt-every` seconds a random stage peer is 
 a stage that keeps another peer: a stage whose last peer dies loses its parameters) and a fresh peer
 joins and takes the weakest stage. The bar shows step, loss, tokens/s and peers per stage; at the end
 come a summary table and a PNG of the swarm's loss against a single-process baseline of the same
-spec (`swarmd.reference`), both against samples seen.
+spec (`swarmd.reference`), both against samples seen. Last, the trained model is exported
+(`swarmctl export`: model.safetensors + config.json under `out/model`), loaded alone into one
+plain module, and asked for a short sample of text, which is printed.
 
 Every process it starts belongs to a `swarmd.swarmproc.LocalSwarm`, so all of them are gone when it
 exits: normally, on an error, on Ctrl-C or on SIGTERM.
@@ -48,6 +50,11 @@ WATCH_INTERVAL_S = 1.0
 REPLACEMENT_ATTEMPTS = 3
 #: How long a peer may take to find a just-submitted job in the DHT before `job.serve` gives up.
 JOB_DISCOVERY_S = 30.0
+#: How long the export after the job's end asks again for a stage caught between leaving and its final checkpoint.
+EXPORT_WAIT_S = 30.0
+#: What the exported model is asked to continue at the end, and for how many bytes.
+SAMPLE_PROMPT = "def "
+SAMPLE_TOKENS = 160
 
 
 @dataclass
@@ -402,7 +409,46 @@ def _train(plan: Plan, out: Path, progress: Progress, bar: Bar) -> tuple[dict[st
         started = time.monotonic()
         progress.started = time.time()
         final = asyncio.run(run_job(swarm, trainer, plan, progress, bar))
-        return final, time.monotonic() - started
+        wall_s = time.monotonic() - started
+        if final.get("state") == "done":
+            export_model(swarm, trainer, final["job"], out / "model")
+        return final, wall_s
+
+
+def export_model(swarm: LocalSwarm, trainer: PeerProcess, job: str, out: Path) -> None:
+    """`swarmctl export` of the finished job into `out`, with every peer's state dir to fall back on.
+    Just after the end a stage may be in between (its announcement withdrawn, its final checkpoint
+    not yet written): a missing stage is asked for again, for at most EXPORT_WAIT_S."""
+    from swarmd.exporter import export_command
+    from swarmd.model.export import ExportError
+
+    args = argparse.Namespace(socket=trainer.socket, timeout=60.0, job=job, out=out,
+                              state_dir=[p.state_dir for p in swarm.peers])
+    deadline = time.monotonic() + EXPORT_WAIT_S
+    while True:
+        try:
+            result = export_command(args)
+            break
+        except ExportError as exc:
+            if time.monotonic() >= deadline:
+                print(f"demo: export: {exc}", file=sys.stderr)
+                return
+            time.sleep(0.5)
+    print(f"exported the trained model at step {result['step']} to {out} "
+          f"({result['parameters']:,} parameters, model.safetensors + config.json)", flush=True)
+
+
+def sample_text(model_dir: Path, prompt: str = SAMPLE_PROMPT, tokens: int = SAMPLE_TOKENS) -> str:
+    """A short sample from the exported model alone (no swarm), seeded so a run can be repeated."""
+    import torch
+
+    from swarmd.job.data import ByteTokenizer
+    from swarmd.model import load_model
+
+    model = load_model(model_dir)
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.int64)
+    out = model.generate(idx, tokens, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(0))
+    return ByteTokenizer().decode(out[0]).decode("utf-8", errors="replace")
 
 
 def _report(plan: Plan, args: argparse.Namespace, out: Path, progress: Progress, final: dict[str, Any],
@@ -424,6 +470,11 @@ def _report(plan: Plan, args: argparse.Namespace, out: Path, progress: Progress,
     table, data = summarize(plan, progress, final, swarm_curve, baseline, wall_s, baseline_s, plot)
     (out / "summary.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(table)
+    if (out / "model" / "config.json").exists():
+        sample = sample_text(out / "model")
+        (out / "sample.txt").write_text(sample)
+        print(f"\na sample from the exported model ({out / 'model'}, loaded alone with swarmd.model.load_model):\n")
+        print(sample)
     return EXIT_OK if final.get("state") == "done" else EXIT_FAILURE
 
 

@@ -29,12 +29,10 @@ def export_command(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     spec, job_id, stages, missing = asyncio.run(_receive(args))
     for index, reason in sorted(missing.items()):
-        found = None
-        for state_dir in args.state_dir:
-            module = build_stage(spec.model.config, index, spec.pipeline.stages, spec.seed)
-            found = from_checkpoint(state_dir, bytes.fromhex(job_id), index, module)
-            if found is not None:
-                break
+        module = build_stage(spec.model.config, index, spec.pipeline.stages, spec.seed)
+        candidates = [from_checkpoint(d, bytes.fromhex(job_id), index, module) for d in args.state_dir]
+        # The newest of them: a peer preempted early left an older checkpoint behind.
+        found = max((c for c in candidates if c is not None), key=lambda c: c[0], default=None)
         if found is None:
             looked = f"; none in {', '.join(map(str, args.state_dir))}" if args.state_dir else ""
             raise ExportError(f"stage {index} is unavailable: {reason}{looked}")
