@@ -27,6 +27,8 @@ from swarmd.dht import DHTError, dht_key
 from swarmd.jobs import JobRegistry, JobRequestError
 from swarmd.jobs.exporting import export_messages
 from swarmd.jobs.serving import Serving
+from swarmd.model.export import ExportError
+from swarmd.model.precision import PrecisionError
 from swarmd.jobs.training import Training
 from transport.errors import RpcError
 from transport.message import Message, RemoteInfo, Request, Router
@@ -148,6 +150,8 @@ def register(router: Router, daemon: DaemonView) -> None:
             raise RpcError("bad_request", f"stage: an integer in 0..{job.spec.pipeline.stages - 1} or null")
         try:
             await daemon.serving.serve(job.spec, job.job_id, stage)
+        except (ExportError, PrecisionError) as exc:  # the job's init weights or dtype cannot be served here
+            raise RpcError("bad_request", f"stage {stage}: {exc}") from None
         except ValueError as exc:
             raise RpcError("busy", f"stage: {exc}") from None
         return Message({"job": job.job_id.hex(), "stage": stage})
