@@ -219,8 +219,12 @@ async def _preempt(swarm: LocalSwarm, trainer: PeerProcess, job: str, plan: Plan
         while True:
             await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
             next_kill += plan.preempt_every_s
-            async with Client(trainer.socket) as client:
-                view = await client.job(job)
+            try:
+                async with Client(trainer.socket) as client:
+                    view = await client.job(job)
+            except (ControlError, DaemonUnavailable) as exc:  # one missed look skips one round, as _watch does
+                bar.note(f"  no preemption this round: job.get failed: {exc}", progress)
+                continue
             victim, stage = _choose_victim(swarm, trainer, view, plan.rng)
             if victim is None:
                 bar.note("  no stage has a spare live peer to preempt this round", progress)
