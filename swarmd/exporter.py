@@ -78,7 +78,7 @@ async def _receive(args: argparse.Namespace) -> tuple[JobSpec, str, list[StageWe
             if kind == "stage" and type(index) is int and 0 <= index < spec.pipeline.stages:
                 module = build_stage(spec.model.config, index, spec.pipeline.stages, spec.seed)
                 current = StageAssembly(module, index, meta.get("step"), meta.get("source"), meta.get("params"))
-            elif kind == "missing" and type(index) is int:
+            elif kind == "missing" and type(index) is int and 0 <= index < spec.pipeline.stages:
                 missing[index] = str(meta.get("reason"))
             elif kind == "end":
                 return spec, job_id, stages, missing
