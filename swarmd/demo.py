@@ -208,6 +208,9 @@ async def _serve(peer: PeerProcess, job: str, stage: int | None, bar: Bar, progr
                 raise
             bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
             return None
+        except DaemonUnavailable as exc:  # e.g. a busy machine's daemon past the call timeout: note it, go on
+            bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
+            return None
 
 
 async def _preempt(swarm: LocalSwarm, trainer: PeerProcess, job: str, plan: Plan, progress: Progress,
@@ -264,6 +267,8 @@ async def _replace(swarm: LocalSwarm, job: str, event: Preemption, bar: Bar, pro
                 raise
             bar.note(f"  {fresh.name} did not start ({str(exc).splitlines()[0]}); trying another", progress)
     joined = await _serve(fresh, job, event.stage, bar, progress)
+    if joined is None:
+        return  # noted by _serve; the peer runs on, serving nothing
     event.rejoin_s = time.time() - event.at
     bar.note(f"  {fresh.name} joined and serves stage {joined} ({event.rejoin_s:.1f} s after the kill)", progress)
 
