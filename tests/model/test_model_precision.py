@@ -17,8 +17,8 @@ from swarmd.reference import ReferenceTrainer
 torch.set_num_threads(1)
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device: fp16 autocast runs on CUDA only "
-                                                  "(scripts/gpu-check.sh runs this lane)")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device, none here (scripts/gpu-check.sh runs "
+                                                  "the cuda lane on one)")
 
 
 def spec(corpus: Path, dtype: str, steps: int = 8, **compute) -> JobSpec:
@@ -116,3 +116,39 @@ def test_fp16_reference_with_per_stage_scaling_tracks_fp32_on_cuda(corpus):
     assert all(s.scale < 2.0 ** 24 for s in fp16.scalers)
     assert abs(a[-1] - b[-1].loss) <= 0.05 * a[-1]
     assert all(p.dtype == torch.float32 for p in fp16.model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["transformer-lm", "llama"])
+def test_bf16_stages_send_fp32_so_the_wire_carries_the_same_bytes(arch):
+    """What crosses the network (activations, input gradients, the loss) stays fp32 under bf16
+    autocast, so the [wire] codec sees the tensors it sees in fp32: bytes on the wire unchanged."""
+    from swarmd.model import build_stage, get_architecture
+
+    config = get_architecture(arch).parse_config({"d_model": 32, "n_heads": 4}, 16)
+    first, last = build_stage(config, 0, 2, seed=0), build_stage(config, 1, 2, seed=0)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with Precision("bf16").autocast("cpu"):
+        h = first(ids)
+        x = h.detach().requires_grad_(True)
+        loss = last(x, ids)
+    loss.backward()
+    assert h.dtype == loss.dtype == x.grad.dtype == torch.float32
+    assert first.output_spec(2, 16).mismatch(h) is None and last.input_spec(2, 16).mismatch(x.grad) is None
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_stages_on_cuda_match_cpu_and_bf16_reference_runs_there(corpus):
+    from swarmd.model import LlamaConfig, build_reference
+
+    config = LlamaConfig(d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=32, layers_per_stage=2)
+    cpu, gpu = build_reference(config, 2, seed=1), build_reference(config, 2, seed=1, device="cuda")
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    a, b = cpu(ids, ids).item(), gpu(ids.cuda(), ids.cuda()).item()
+    assert abs(a - b) <= 1e-3 * abs(a)  # TF32/cuBLAS sums differ from CPU's in the last bits
+    fp32 = ReferenceTrainer.from_spec(spec(corpus, "fp32"), corpus.parent, device="cuda")
+    bf16 = ReferenceTrainer.from_spec(spec(corpus, "bf16"), corpus.parent, device="cuda")
+    x, y = [r.loss for r in fp32.train(8)], [r.loss for r in bf16.train(8)]
+    assert all(abs(p - q) <= 0.02 * p for p, q in zip(x, y))
+    sample = gpu.generate(ids[:1, :4].cuda(), 8, temperature=0)
+    assert sample.shape == (1, 12) and sample.device.type == "cuda"
