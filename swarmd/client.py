@@ -110,6 +110,20 @@ class Client:
         except TransportError as exc:
             raise _unavailable(self.path, exc) from None
 
+    async def stream_messages(self, method: str, *, timeout: float, **meta: Any) -> AsyncIterator[Message]:
+        """As `stream`, but whole messages: for the methods that answer with tensors (job.export)."""
+        assert self._conn is not None, "use `async with Client(...)`"
+        try:
+            async with self._conn.stream(method, Message(meta, codec="none"), timeout=timeout) as items:
+                async for item in items:
+                    yield item
+        except RemoteError as exc:
+            raise ControlError(exc.code, exc.message) from None
+        except DeadlineExceeded:
+            raise DaemonUnavailable(f"the daemon at {self.path} did not finish {method} within {timeout} s")
+        except TransportError as exc:
+            raise _unavailable(self.path, exc) from None
+
     # --- node ---
     async def status(self) -> dict[str, Any]:
         return await self.call("status")

@@ -26,7 +26,10 @@ from typing import Any, Awaitable, Protocol
 from swarmd.dht import DHTError, dht_key
 from swarmd.errors import LocalError
 from swarmd.jobs import JobRegistry, JobRequestError
+from swarmd.jobs.exporting import export_messages
 from swarmd.jobs.serving import Serving
+from swarmd.model.export import ExportError
+from swarmd.model.precision import PrecisionError
 from swarmd.jobs.training import Training
 from transport.errors import RpcError
 from transport.message import Message, RemoteInfo, Request, Router
@@ -150,6 +153,8 @@ def register(router: Router, daemon: DaemonView) -> None:
             raise RpcError("bad_request", f"stage: an integer in 0..{job.spec.pipeline.stages - 1} or null")
         try:
             await daemon.serving.serve(job.spec, job.job_id, stage)
+        except (ExportError, PrecisionError) as exc:  # the job's init weights or dtype cannot be served here
+            raise RpcError("bad_request", f"stage {stage}: {exc}") from None
         except ValueError as exc:
             raise RpcError("busy", f"stage: {exc}") from None
         return Message({"job": job.job_id.hex(), "stage": stage})
@@ -172,7 +177,15 @@ def register(router: Router, daemon: DaemonView) -> None:
         await daemon.training.start(job, range(shard, shard + 1), shards)
         return Message({"job": job.job_id.hex(), "trainer": f"{shard}/{shards}"})
 
+    async def job_export(req: Request):
+        with _job_errors():
+            job = await daemon.jobs.find(req.meta.get("job"))
+            peers = await daemon.jobs.stage_peers(job)
+        async for message in export_messages(job, peers, daemon.pool, daemon.config.daemon.state_dir):
+            yield message
+
     router.unary("job.submit", job_submit)
+    router.stream("job.export", job_export)
     router.unary("job.list", job_list)
     router.unary("job.get", job_get)
     router.unary("job.cancel", job_cancel)

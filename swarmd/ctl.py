@@ -74,6 +74,13 @@ def parser() -> argparse.ArgumentParser:
     serve = command("serve", "serve a stage of a job (pin by hand)")
     serve.add_argument("job")
     serve.add_argument("--stage", type=int, metavar="I")
+    export = command("export", "write a job's trained model: model.safetensors and config.json")
+    export.add_argument("job")
+    export.add_argument("-o", "--out", type=Path, required=True, metavar="DIR",
+                        help="directory for model.safetensors and config.json (created)")
+    export.add_argument("--state-dir", type=Path, action="append", default=[], metavar="DIR",
+                        help="also look for checkpoints of stages no live peer serves in this daemon "
+                             "state dir (repeatable)")
     keygen = sub.add_parser("keygen", help="write a new swarm key file (private swarms; never overwrites)",
                             description="Write a new swarm key (32 random bytes as hex, mode 0600) for "
                                         "network.swarm_key_file; an existing file is never replaced.")
@@ -375,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plot_command(args)
         if args.command == "keygen":
             return _keygen(args)
+        if args.command == "export":
+            return _export(args)
         run_command(args)
     except ControlError as exc:
         _error(args, exc.code, exc.message)
@@ -400,6 +409,25 @@ def _keygen(args: argparse.Namespace) -> int:
     _emit(args, {"path": str(args.path)},
           lambda r: f"wrote a new swarm key to {r['path']} (mode 0600); copy it to every member and set "
                     "network.swarm_key_file")
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    # torch is imported only by the one command that needs it: every other command stays quick.
+    from swarmd.exporter import export_command
+    from swarmd.model.export import ExportError
+
+    try:
+        result = export_command(args)
+    except ExportError as exc:
+        _error(args, "unavailable", str(exc))
+        return EXIT_FAILURE
+    except OSError as exc:
+        _error(args, "io", f"{args.out}: {exc.strerror or exc}")
+        return EXIT_CONFIG
+    _emit(args, result, lambda r: f"wrote {r['out']}: job {r['name']} at step {r['step']}, "
+                                  f"{r['parameters']:,} parameters from " +
+                                  ", ".join(f"stage {s['stage']} ({s['source']})" for s in r["stages"]))
     return EXIT_OK
 
 

@@ -7,7 +7,9 @@ stages. While it trains, every `--preempt-every` seconds a random stage peer is 
 a stage that keeps another peer: a stage whose last peer dies loses its parameters) and a fresh peer
 joins and takes the weakest stage. The bar shows step, loss, tokens/s and peers per stage; at the end
 come a summary table and a PNG of the swarm's loss against a single-process baseline of the same
-spec (`swarmd.reference`), both against samples seen.
+spec (`swarmd.reference`), both against samples seen. Last, the trained model is exported
+(`swarmctl export`: model.safetensors + config.json under `out/model`), loaded alone into one
+plain module, and asked for a short sample of text, which is printed.
 
 Every process it starts belongs to a `swarmd.swarmproc.LocalSwarm`, so all of them are gone when it
 exits: normally, on an error, on Ctrl-C or on SIGTERM.
@@ -48,6 +50,11 @@ WATCH_INTERVAL_S = 1.0
 REPLACEMENT_ATTEMPTS = 3
 #: How long a peer may take to find a just-submitted job in the DHT before `job.serve` gives up.
 JOB_DISCOVERY_S = 30.0
+#: How long the export after the job's end asks again for a stage caught between leaving and its final checkpoint.
+EXPORT_WAIT_S = 30.0
+#: What the exported model is asked to continue at the end, and for how many bytes.
+SAMPLE_PROMPT = "def "
+SAMPLE_TOKENS = 160
 
 
 @dataclass
@@ -201,6 +208,9 @@ async def _serve(peer: PeerProcess, job: str, stage: int | None, bar: Bar, progr
                 raise
             bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
             return None
+        except DaemonUnavailable as exc:  # e.g. a busy machine's daemon past the call timeout: note it, go on
+            bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
+            return None
 
 
 async def _preempt(swarm: LocalSwarm, trainer: PeerProcess, job: str, plan: Plan, progress: Progress,
@@ -212,8 +222,12 @@ async def _preempt(swarm: LocalSwarm, trainer: PeerProcess, job: str, plan: Plan
         while True:
             await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
             next_kill += plan.preempt_every_s
-            async with Client(trainer.socket) as client:
-                view = await client.job(job)
+            try:
+                async with Client(trainer.socket) as client:
+                    view = await client.job(job)
+            except (ControlError, DaemonUnavailable) as exc:  # one missed look skips one round, as _watch does
+                bar.note(f"  no preemption this round: job.get failed: {exc}", progress)
+                continue
             victim, stage = _choose_victim(swarm, trainer, view, plan.rng)
             if victim is None:
                 bar.note("  no stage has a spare live peer to preempt this round", progress)
@@ -253,6 +267,8 @@ async def _replace(swarm: LocalSwarm, job: str, event: Preemption, bar: Bar, pro
                 raise
             bar.note(f"  {fresh.name} did not start ({str(exc).splitlines()[0]}); trying another", progress)
     joined = await _serve(fresh, job, event.stage, bar, progress)
+    if joined is None:
+        return  # noted by _serve; the peer runs on, serving nothing
     event.rejoin_s = time.time() - event.at
     bar.note(f"  {fresh.name} joined and serves stage {joined} ({event.rejoin_s:.1f} s after the kill)", progress)
 
@@ -402,7 +418,46 @@ def _train(plan: Plan, out: Path, progress: Progress, bar: Bar) -> tuple[dict[st
         started = time.monotonic()
         progress.started = time.time()
         final = asyncio.run(run_job(swarm, trainer, plan, progress, bar))
-        return final, time.monotonic() - started
+        wall_s = time.monotonic() - started
+        if final.get("state") == "done":
+            export_model(swarm, trainer, final["job"], out / "model")
+        return final, wall_s
+
+
+def export_model(swarm: LocalSwarm, trainer: PeerProcess, job: str, out: Path) -> None:
+    """`swarmctl export` of the finished job into `out`, with every peer's state dir to fall back on.
+    Just after the end a stage may be in between (its announcement withdrawn, its final checkpoint
+    not yet written): a missing stage is asked for again, for at most EXPORT_WAIT_S."""
+    from swarmd.exporter import export_command
+    from swarmd.model.export import ExportError
+
+    args = argparse.Namespace(socket=trainer.socket, timeout=60.0, job=job, out=out,
+                              state_dir=[p.state_dir for p in swarm.peers])
+    deadline = time.monotonic() + EXPORT_WAIT_S
+    while True:
+        try:
+            result = export_command(args)
+            break
+        except ExportError as exc:
+            if time.monotonic() >= deadline:
+                print(f"demo: export: {exc}", file=sys.stderr)
+                return
+            time.sleep(0.5)
+    print(f"exported the trained model at step {result['step']} to {out} "
+          f"({result['parameters']:,} parameters, model.safetensors + config.json)", flush=True)
+
+
+def sample_text(model_dir: Path, prompt: str = SAMPLE_PROMPT, tokens: int = SAMPLE_TOKENS) -> str:
+    """A short sample from the exported model alone (no swarm), seeded so a run can be repeated."""
+    import torch
+
+    from swarmd.job.data import ByteTokenizer
+    from swarmd.model import load_model
+
+    model = load_model(model_dir)
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.int64)
+    out = model.generate(idx, tokens, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(0))
+    return ByteTokenizer().decode(out[0]).decode("utf-8", errors="replace")
 
 
 def _report(plan: Plan, args: argparse.Namespace, out: Path, progress: Progress, final: dict[str, Any],
@@ -424,6 +479,11 @@ def _report(plan: Plan, args: argparse.Namespace, out: Path, progress: Progress,
     table, data = summarize(plan, progress, final, swarm_curve, baseline, wall_s, baseline_s, plot)
     (out / "summary.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(table)
+    if (out / "model" / "config.json").exists():
+        sample = sample_text(out / "model")
+        (out / "sample.txt").write_text(sample)
+        print(f"\na sample from the exported model ({out / 'model'}, loaded alone with swarmd.model.load_model):\n")
+        print(sample)
     return EXIT_OK if final.get("state") == "done" else EXIT_FAILURE
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,11 @@ from swarmd.job.data import TrainingData
 from swarmd.job.sources import open_training_data
 from swarmd.job.errors import DataError, SpecError
 from swarmd.job.spec import JobSpec, load_spec
-from swarmd.model.composed import ComposedModel, build_reference
-from swarmd.optim.stage_optimizer import StageOptimizer, StepReport
+from swarmd.model.export import ExportError
+from swarmd.model.composed import ComposedModel
+from swarmd.model.init import build_initial_stage
+from swarmd.model.precision import LossScaler, Precision, PrecisionError
+from swarmd.optim.stage_optimizer import NonFiniteGradient, StageOptimizer, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -37,30 +41,82 @@ class ReferenceStep:
 
 
 class ReferenceTrainer:
-    def __init__(self, spec: JobSpec, data: TrainingData) -> None:
+    """`device` is where it computes (CPU unless `[compute] dtype` is fp16, which needs CUDA)."""
+
+    def __init__(self, spec: JobSpec, data: TrainingData, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.data = data
-        self.model: ComposedModel = build_reference(spec.model.config, spec.pipeline.stages, spec.seed)
+        self.device = torch.device(device)
+        self.precision = Precision(spec.compute.dtype)
+        self.precision.check(self.device)
+        n = spec.pipeline.stages
+        self.model = ComposedModel([build_initial_stage(spec.model.config, i, n, spec.seed, self.device,
+                                                        spec.model.init, spec.model.init_digest) for i in range(n)])
         self.optimizers = [StageOptimizer(stage, spec.optim, spec.steps) for stage in self.model.stages]
+        # fp16: one scaler per stage, exactly as each stage of the swarm keeps its own.
+        self.scalers = [LossScaler(spec.compute.loss_scale, spec.compute.growth_interval) for _ in range(n)] \
+            if self.precision.scaled else []
         self.step = 0
 
     @classmethod
-    def from_spec(cls, spec: JobSpec, base_dir: str | Path) -> "ReferenceTrainer":
+    def from_spec(cls, spec: JobSpec, base_dir: str | Path, device: torch.device | str = "cpu") -> "ReferenceTrainer":
         data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, base_dir)
-        return cls(spec, data)
+        return cls(spec, data, device)
 
     def train_step(self) -> ReferenceStep:
         loss_sum = 0.0
         for index in range(self.spec.batch.microbatches_per_step):
             mb = self.data.microbatch(self.step, index)
-            loss = self.model(mb.inputs, mb.targets)  # sample-summed: gradients add up across microbatches
+            inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
+            if self.scalers:
+                loss_sum += self._scaled_microbatch(inputs, targets)
+                continue
+            with self.precision.autocast(self.device):
+                loss = self.model(inputs, targets)  # sample-summed: gradients add up across microbatches
             loss.backward()
             loss_sum += loss.item()
         samples = self.spec.batch.global_samples
-        reports = tuple(opt.step(samples) for opt in self.optimizers)
+        if self.scalers:
+            reports = tuple(self._scaled_step(opt, scaler, samples) for opt, scaler in zip(self.optimizers, self.scalers))
+        else:
+            reports = tuple(opt.step(samples) for opt in self.optimizers)
         result = ReferenceStep(self.step, loss_sum / samples, reports)
         self.step += 1
         return result
+
+    def _scaled_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """fp16 as the swarm runs it: each stage's backward seeded with its incoming gradient times
+        its own scale, the gradient it passes on unscaled, and zeros passed on where it overflowed
+        (a stage refuses a non-finite gradient; the overflowing stage skips its step)."""
+        stages, leaves, outputs = self.model.stages, [], []
+        x = inputs
+        with self.precision.autocast(self.device):
+            for stage in stages:
+                leaf = x.detach().requires_grad_(not stage.is_first)
+                leaves.append(leaf)
+                outputs.append(stage(leaf, targets) if stage.is_last else stage(leaf))
+                x = outputs[-1]
+        grad = torch.ones_like(outputs[-1])
+        for stage, leaf, out, scaler in reversed(list(zip(stages, leaves, outputs, self.scalers))):
+            out.backward(grad * scaler.scale)
+            if stage.is_first:
+                break
+            grad = leaf.grad / scaler.scale
+            if not bool(torch.isfinite(grad).all()):
+                grad = torch.zeros_like(grad)
+        return outputs[-1].item()
+
+    def _scaled_step(self, opt: StageOptimizer, scaler: LossScaler, samples: int) -> StepReport:
+        """The stage's step on gradient sums scaled by S: the mean is the sum over samples·S. An
+        overflow skips the update but not the step, as a stage does (StageService._skip_step)."""
+        try:
+            report = opt.step(samples * scaler.scale)
+        except NonFiniteGradient:
+            report = StepReport(opt.step_count, opt.lr, math.inf, False)
+            opt.optimizer.zero_grad(set_to_none=True)
+            opt.step_count += 1
+        scaler.update(not math.isfinite(report.grad_norm))
+        return report
 
     def train(self, steps: int) -> list[ReferenceStep]:
         results = []
@@ -86,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(steps):
             results.append(trainer.train_step())
             print(f"step {results[-1].step} loss {results[-1].loss:.4f}", flush=True)
-    except (SpecError, DataError) as exc:
+    except (SpecError, DataError, ExportError, PrecisionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.out:

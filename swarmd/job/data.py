@@ -1,7 +1,7 @@
 """Training data and its order: the same (seed, step, microbatch) gives the same samples everywhere.
 
 A dataset is one long token stream, either text files read as bytes by the byte-level tokenizer or a
-nanoGPT `.bin` file (raw little-endian uint16, memory-mapped). Sample i is the window of `seq_len`
+`.bin` token file (raw little-endian uint16 as nanoGPT's, or uint32; memory-mapped: swarmd.tokenfile). Sample i is the window of `seq_len`
 tokens at `i * seq_len` with its next-token targets. Each epoch is a seeded permutation of the
 samples cut into whole global batches (the remainder is skipped, a different one each epoch), so the
 samples of a step are always distinct; step s's batch is split in order into microbatches whose ids
@@ -21,7 +21,6 @@ from swarmd.job.spec import BatchSpec
 
 # Text files are loaded into memory; past this, pre-tokenize them into a memory-mapped `.bin` file.
 MAX_TEXT_BYTES = 1 << 30
-TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin layout
 
 
 class ByteTokenizer:

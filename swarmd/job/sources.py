@@ -24,10 +24,11 @@ from typing import Sequence
 
 import numpy as np
 
-from swarmd.job.data import MAX_TEXT_BYTES, TOKEN_DTYPE, TokenDataset, TrainingData
+from swarmd.job.data import MAX_TEXT_BYTES, TokenDataset, TrainingData
 from swarmd.job.errors import SpecError
 from swarmd.job.opening import AccessDenied, NotAFile, OpenedFile, Opener, Reader
 from swarmd.job.spec import BatchSpec, DataSpec
+from swarmd.tokenfile import TokenDtype, TokenFileError, map_tokens
 
 STDLIB_PLACEHOLDER = "{stdlib}"
 #: Data paths one `--data` list may name.
@@ -41,6 +42,7 @@ class Sources:
     files: tuple[Path, ...] = ()
     tokens: Path | None = None
     reader: Reader = field(default_factory=Reader.this_process)
+    token_dtype: TokenDtype = "uint16"
 
 
 def expand_path(pattern: str, base_dir: str | Path) -> str:
@@ -153,7 +155,7 @@ def resolve_sources(data: DataSpec, base_dir: str | Path, limits: GlobLimits = G
         if opened is None:
             raise SpecError("data.tokens", f"{path} is not a file")
         opened.close()
-        return Sources(tokens=opened.path, reader=reader)
+        return Sources(tokens=opened.path, reader=reader, token_dtype=data.token_dtype)
     found: dict[tuple[int, int], Path] = {}
     walk = _GlobWalk(limits, opener)
     for pattern in data.files or ():
@@ -174,9 +176,10 @@ def resolve_sources(data: DataSpec, base_dir: str | Path, limits: GlobLimits = G
     return Sources(files=tuple(sorted(set(found.values()))), reader=reader)
 
 
-def named_sources(paths: Sequence[str], tokens: bool, reader: Reader) -> Sources:
+def named_sources(paths: Sequence[str], tokens: bool, reader: Reader, token_dtype: TokenDtype = "uint16") -> Sources:
     """`--data` files given by absolute path (they replace the spec's own), each opened once as
-    `reader`; `tokens`: the spec reads one token file. Raises `SpecError` or `AccessDenied`."""
+    `reader`; `tokens`: the spec reads one token file, of `token_dtype` ids. Raises `SpecError` or
+    `AccessDenied`."""
     if len(paths) > MAX_DATA_PATHS:
         raise SpecError("data", f"{len(paths)} paths, over MAX_DATA_PATHS ({MAX_DATA_PATHS})")
     opener, found = Opener(reader), []
@@ -189,7 +192,7 @@ def named_sources(paths: Sequence[str], tokens: bool, reader: Reader) -> Sources
     if tokens:
         if len(found) != 1:
             raise SpecError("data.tokens", "a token-file job takes exactly one --data file")
-        return Sources(tokens=found[0], reader=reader)
+        return Sources(tokens=found[0], reader=reader, token_dtype=token_dtype)
     return Sources(files=tuple(sorted(set(found))), reader=reader)
 
 
@@ -199,7 +202,7 @@ def read_tokens(sources: Sources, max_text_bytes: int = MAX_TEXT_BYTES) -> np.nd
     descriptor alone."""
     opener = Opener(sources.reader)
     if sources.tokens is not None:
-        return _map_tokens(_reopen(opener, sources.tokens, "data.tokens"))
+        return _map_tokens(_reopen(opener, sources.tokens, "data.tokens"), sources.token_dtype)
     sizes = []
     for path in sources.files:  # one descriptor at a time: a daemon's soft fd limit may be 1024
         with _reopen(opener, path, "data.files") as file:
@@ -233,14 +236,13 @@ def _read_into(fd: int, buffer: memoryview) -> int:
     return done
 
 
-def _map_tokens(opened: OpenedFile) -> np.ndarray:
+def _map_tokens(opened: OpenedFile, token_dtype: TokenDtype) -> np.ndarray:
     """The token file memory-mapped from its descriptor (the map outlives the descriptor)."""
     try:
-        size = opened.size()
-        if size % TOKEN_DTYPE.itemsize or size == 0:
-            raise SpecError("data.tokens", f"{opened.path} is {size} bytes, not a whole number of uint16 tokens")
         with os.fdopen(os.dup(opened.fd), "rb") as file:
-            return np.memmap(file, dtype=TOKEN_DTYPE, mode="r")
+            return map_tokens(file, token_dtype)
+    except TokenFileError as exc:
+        raise SpecError("data.tokens", str(exc)) from None
     finally:
         opened.close()
 

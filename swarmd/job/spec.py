@@ -19,7 +19,9 @@ import msgpack
 
 from swarmd.job.errors import SpecError
 from swarmd.model.config import ConfigError, parse_table, parse_value, table_to_dict
+from swarmd.model.precision import GROWTH_INTERVAL, INITIAL_SCALE, MAX_SCALE, MIN_SCALE
 from swarmd.model.registry import UnknownArchitecture, get_architecture
+from swarmd.tokenfile import TokenDtype, vocab_problem
 
 # A spec is a few hundred bytes; this bounds what a DHT record or a file can make us parse.
 MAX_SPEC_BYTES = 64 * 1024
@@ -58,7 +60,8 @@ LIMITS: dict[str, Limit] = {
     "model.n_heads": Limit("MAX_HEADS", 1024, "attention heads per layer"),
     "model.d_ff": Limit("MAX_D_FF", 131_072, "4 x MAX_D_MODEL"),
     "model.layers_per_stage": Limit("MAX_LAYERS_PER_STAGE", 1024, "blocks a stage's forward loops over"),
-    "model.vocab": Limit("MAX_VOCAB", 65_536, "a data.tokens file holds uint16 ids, so no data has a larger id"),
+    "model.vocab": Limit("MAX_VOCAB", 1 << 22, "embedding rows one stage allocates; uint16 token files hold ids "
+                                              "below 65,536 (checked per data.token_dtype), uint32 files more"),
     "model.max_seq_len": Limit("MAX_SEQ_LEN", 65_536, "rows of the position embedding"),
     "optim.lr": Limit("MAX_LR", 10.0, "past any rate that trains; a typo here wastes every stage's steps"),
     "optim.eps": Limit("MAX_EPS", 1.0, "Adam's denominator floor; larger disables the adaptive step"),
@@ -85,16 +88,19 @@ Aggregate = Literal["mean", "centered_clip"]
 class ModelSpec:
     arch: str
     config: Any  # the architecture's frozen config dataclass
+    init: str | None = None  # pretrained weights every stage starts from (swarmd.model.init)
+    init_digest: str | None = None  # their combined digest, which every stage peer verifies
 
 
 @dataclass(frozen=True)
 class DataSpec:
     """Either text `files` (globs; `{stdlib}` is Python's stdlib dir; relative to the spec file)
-    read as bytes, or a nanoGPT `.bin` file of little-endian uint16 `tokens`."""
+    read as bytes, or a `.bin` file of little-endian uint16 (nanoGPT's) or uint32 `tokens`."""
 
     seq_len: int
     files: tuple[str, ...] | None = None
     tokens: str | None = None
+    token_dtype: TokenDtype = "uint16"  # the width of the ids in `tokens` (swarmd/tokenfile.py)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -103,6 +109,8 @@ class DataSpec:
             raise ConfigError("files", "give exactly one of data.files and data.tokens")
         if self.files is not None and not self.files:
             raise ConfigError("files", "must list at least one pattern")
+        if self.token_dtype != "uint16" and self.tokens is None:
+            raise ConfigError("token_dtype", "is only meaningful with data.tokens")
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,24 @@ class CheckpointSpec:
             raise ConfigError("every_steps", "must not be negative (0: never)")
 
 
+@dataclass(frozen=True)
+class ComputeSpec:
+    """[compute]: the precision policy every stage and the reference follow (swarmd/model/precision.py).
+    Bounds: the loss scale's are the scaler's own; growth past a million clean steps is never."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = INITIAL_SCALE  # fp16 only: each stage's starting scale
+    growth_interval: int = GROWTH_INTERVAL  # fp16 only: clean steps before a stage doubles its scale
+
+    def __post_init__(self) -> None:
+        if not MIN_SCALE <= self.loss_scale <= MAX_SCALE:
+            raise ConfigError("loss_scale", f"must be in [{MIN_SCALE:g}, {MAX_SCALE:g}]")
+        if not 1 <= self.growth_interval <= MAX_GROWTH_INTERVAL:
+            raise ConfigError("growth_interval", f"must be in [1, {MAX_GROWTH_INTERVAL}]")
+
+
+MAX_GROWTH_INTERVAL = 1_000_000
+
 _SECTIONS: dict[str, type] = {"data": DataSpec, "batch": BatchSpec, "optim": OptimSpec, "wire": WireSpec,
                               "pipeline": PipelineSpec, "checkpoint": CheckpointSpec}
 _REQUIRED = ("name", "steps", "model", "data", "batch")
@@ -210,6 +236,7 @@ class JobSpec:
     wire: WireSpec = field(default_factory=WireSpec)
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    compute: ComputeSpec = field(default_factory=ComputeSpec)
 
     @classmethod
     def from_dict(cls, raw: Any) -> "JobSpec":
@@ -234,7 +261,14 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         """The canonical form: every default filled in, keys sorted, only msgpack-able values."""
         out = table_to_dict({name: getattr(self, name) for name in ("name", "seed", "steps", *_SECTIONS)})
-        out["model"] = dict(sorted({"arch": self.model.arch, **table_to_dict(self.model.config)}.items()))
+        if self.data.token_dtype == "uint16":
+            del out["data"]["token_dtype"]  # nanoGPT's width, left out as [compute] is: ids unchanged
+        if self.compute != ComputeSpec():
+            # Only when set: a default job's canonical form (and id) stays what daemons that
+            # predate [compute] publish and accept.
+            out["compute"] = table_to_dict(self.compute)
+        init = {k: v for k, v in (("init", self.model.init), ("init_digest", self.model.init_digest)) if v is not None}
+        out["model"] = dict(sorted({"arch": self.model.arch, **table_to_dict(self.model.config), **init}.items()))
         return dict(sorted(out.items()))
 
     def to_msgpack(self) -> bytes:
@@ -270,7 +304,7 @@ def load_spec(path: str | Path) -> JobSpec:
 def _parse(raw: Any) -> JobSpec:
     if not isinstance(raw, Mapping):
         raise SpecError("<spec>", "must be a table")
-    known = {"name", "seed", "steps", "model", *_SECTIONS}
+    known = {"name", "seed", "steps", "model", "compute", *_SECTIONS}
     for key in raw:
         if key not in known:
             raise SpecError(str(key), f"unknown key (known: {', '.join(sorted(known))})")
@@ -288,7 +322,8 @@ def _parse(raw: Any) -> JobSpec:
         raise SpecError("steps", "must be at least 1")
     sections = {key: parse_table(cls, raw.get(key, {}), key) for key, cls in _SECTIONS.items()}
     model = _parse_model(raw["model"], sections["data"])
-    spec = JobSpec(name=name, seed=seed, steps=steps, model=model, **sections)
+    compute = parse_table(ComputeSpec, raw.get("compute", {}), "compute")
+    spec = JobSpec(name=name, seed=seed, steps=steps, model=model, compute=compute, **sections)
     check_limits(spec)
     return spec
 
@@ -322,10 +357,38 @@ def _parse_model(raw: Any, data: DataSpec) -> ModelSpec:
         arch = get_architecture(arch_name)
     except UnknownArchitecture as exc:
         raise SpecError("model.arch", str(exc)) from None
+    init, init_digest = _parse_model_init(raw)
     try:
-        config = arch.parse_config({k: v for k, v in raw.items() if k != "arch"}, data.seq_len)
+        config = arch.parse_config({k: v for k, v in raw.items() if k not in ("arch", *_INIT_KEYS)}, data.seq_len)
     except ConfigError as exc:
         raise SpecError(f"model.{exc.field}", exc.message) from None
     if data.files is not None and config.vocab < 256:
         raise SpecError("model.vocab", f"is {config.vocab}, but byte-level text needs at least 256")
-    return ModelSpec(arch_name, config)
+    if data.tokens is not None and (problem := vocab_problem(data.token_dtype, config.vocab)):
+        raise SpecError("model.vocab", problem)
+    return ModelSpec(arch_name, config, init, init_digest)
+
+
+# ---------------------------------------------------------------------------------------- [model] init
+# Pretrained weights (docs/models.md). Every stage peer opens `init` itself, so it is an absolute
+# path (a relative one would mean a different file on each daemon); the digest is what makes those
+# files provably the same bits, so it is required with `init`.
+_INIT_KEYS = ("init", "init_digest")
+MAX_INIT_PATH_BYTES = 4096  # Linux's PATH_MAX: no longer path can be opened anyway
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _parse_model_init(raw: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    init = parse_value(raw.get("init"), str | None, "model.init")
+    digest = parse_value(raw.get("init_digest"), str | None, "model.init_digest")
+    if init is None:
+        if digest is not None:
+            raise SpecError("model.init_digest", "is only meaningful with model.init")
+        return None, None
+    if len(init.encode()) > MAX_INIT_PATH_BYTES or "\0" in init or not init.startswith("/"):
+        raise SpecError("model.init", f"must be an absolute path of at most {MAX_INIT_PATH_BYTES} bytes: "
+                                      "every stage peer opens it where it runs")
+    if digest is None or not _DIGEST.fullmatch(digest):
+        raise SpecError("model.init_digest", "is required with model.init: 'sha256:' and 64 hex digits, "
+                                             "as `python -m swarmd.model.init PATH` prints it")
+    return init, digest

@@ -185,7 +185,7 @@ class JobRegistry:
         reader = Reader.of_user(peercred[1], peercred[2])
         try:
             if data:
-                return named_sources(data, spec.data.tokens is not None, reader)
+                return named_sources(data, spec.data.tokens is not None, reader, spec.data.token_dtype)
             if base is not None and not Path(base).is_absolute():
                 raise SpecError("base", f"{base} is not an absolute directory")
             return resolve_sources(spec.data, base or "/", self.glob_limits, reader)

@@ -11,11 +11,13 @@ from swarmd.model.registry import (
     build_stage,
     get_architecture,
 )
+from swarmd.model.export import ExportError, load_model, write_export
+from swarmd.model.llama import LlamaConfig
 from swarmd.model.stage import Stage, TensorSpec, derive_seed, init_generator
 from swarmd.model.transformer import TransformerConfig
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "Architecture", "ComposedModel", "ConfigError", "Stage", "TensorSpec",
+    "ENTRY_POINT_GROUP", "Architecture", "ComposedModel", "ConfigError", "ExportError", "LlamaConfig", "Stage", "TensorSpec",
     "TransformerConfig", "UnknownArchitecture", "architecture_of", "available", "build_reference",
-    "build_stage", "derive_seed", "get_architecture", "init_generator",
+    "build_stage", "derive_seed", "get_architecture", "init_generator", "load_model", "write_export",
 ]

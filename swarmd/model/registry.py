@@ -1,4 +1,4 @@
-"""Architectures by name: `transformer-lm` built in, more from the `swarmd.architectures` entry points.
+"""Architectures by name: `transformer-lm` and `llama` built in, more from the `swarmd.architectures` entry points.
 
 A job spec names its architecture as a string so that it can be published in the DHT and rebuilt by
 any daemon; a plugin package adds one with an entry point whose object is an `Architecture`:
@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from swarmd.errors import LocalError
+from swarmd.model.llama import LlamaConfig, build_llama_stage, parse_llama_config
 from swarmd.model.stage import Stage
 from swarmd.model.transformer import TransformerConfig, build_transformer_stage, parse_transformer_config
 
@@ -45,7 +46,8 @@ class Architecture:
 
 TRANSFORMER_LM = Architecture("transformer-lm", TransformerConfig, parse_transformer_config,
                               build_transformer_stage)
-_BUILTIN = {TRANSFORMER_LM.name: TRANSFORMER_LM}
+LLAMA = Architecture("llama", LlamaConfig, parse_llama_config, build_llama_stage)
+_BUILTIN = {arch.name: arch for arch in (TRANSFORMER_LM, LLAMA)}
 
 
 def available() -> list[str]:

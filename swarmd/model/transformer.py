@@ -133,10 +133,14 @@ class TransformerStage(Stage):
             x = self.blocks[0 if self.config.share_layers else i](x)  # (B, T, C)
         return x
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, vocab): for sampling from a whole model, never sent over the network."""
+        return self.head(self.norm(self.hidden(x)))
+
     def sample_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Each sample's mean token cross-entropy, (B,): an executor that batched several
         microbatches together splits this to answer each one."""
-        logits = self.head(self.norm(self.hidden(x)))  # (B, T, vocab)
+        logits = self.logits(x).float()  # (B, T, vocab)
         B, T, V = logits.shape
         token_losses = F.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T), reduction="none")
         return token_losses.view(B, T).mean(dim=1)  # (B,)

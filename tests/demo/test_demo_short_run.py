@@ -20,8 +20,8 @@ def test_a_short_demo_trains_through_preemptions_and_cleans_up(tmp_path: Path, p
           so there is always a peer to preempt; a kill every 6 s).
        Expected: exit 0; the summary says the job is done, every step has a loss, at least one peer
        was SIGKILLed and replaced, and the final loss is within 3% of the single-process baseline's;
-       loss.png is a PNG; the events record every step with its stage samples in full; and no
-       process mentions the output directory afterwards."""
+       loss.png is a PNG; the events record every step with its stage samples in full; no
+       process mentions the output directory afterwards; and the exported model's sample is printed."""
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "swarmd.demo", "--peers", "4", "--steps", "120",
                           "--preempt-every", "6", "--out", str(out), "--timeout", "240"],
@@ -39,3 +39,6 @@ def test_a_short_demo_trains_through_preemptions_and_cleans_up(tmp_path: Path, p
     assert sorted({e["step"] for e in steps}) == list(range(1, 121))
     assert all(n == 16 for e in steps for n in e["stage_samples"] if n >= 0)
     assert procs.processes_mentioning(str(out)) == []
+    # The trained model came out of the swarm and wrote text on its own.
+    assert (out / "model" / "model.safetensors").exists() and "a sample from the exported model" in run.stdout
+    assert (out / "sample.txt").read_text().startswith("def ") and len((out / "sample.txt").read_bytes()) >= 100

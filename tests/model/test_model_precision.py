@@ -1,0 +1,154 @@
+"""`[compute] dtype`: the precision policy, the per-stage loss scaler and the reference following it.
+
+The fp16 tests need CUDA (fp16 autocast is CUDA-only here) and skip on CPU with that reason; they
+are the `cuda` lane `scripts/gpu-check.sh` runs."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmd.job import JobSpec, SpecError
+from swarmd.model.precision import MAX_SCALE, MIN_SCALE, LossScaler, Precision, PrecisionError
+from swarmd.reference import ReferenceTrainer
+
+torch.set_num_threads(1)
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device, none here (scripts/gpu-check.sh runs "
+                                                  "the cuda lane on one)")
+
+
+def spec(corpus: Path, dtype: str, steps: int = 8, **compute) -> JobSpec:
+    return JobSpec.from_dict({
+        "name": "prec", "seed": 4, "steps": steps,
+        "model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "layers_per_stage": 1},
+        "data": {"files": [str(corpus)], "seq_len": 32}, "batch": {"global_samples": 8, "microbatch_samples": 4},
+        "optim": {"name": "adamw", "lr": 3e-3, "schedule": "constant"}, "pipeline": {"stages": 3},
+        "compute": {"dtype": dtype, **compute}})
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(Path(json.__file__).read_text() * 2)
+    return path
+
+
+def test_spec_section_bounds_and_canonical_form(corpus):
+    assert spec(corpus, "bf16").compute.dtype == "bf16"
+    assert spec(corpus, "fp32").to_dict().get("compute") is None  # the default is left out: ids unchanged
+    assert spec(corpus, "fp16").to_dict()["compute"]["dtype"] == "fp16"
+    for bad, field in [({"dtype": "fp8"}, "compute.dtype"), ({"loss_scale": 0.5}, "compute.loss_scale"),
+                       ({"loss_scale": 2.0 ** 30}, "compute.loss_scale"),
+                       ({"growth_interval": 0}, "compute.growth_interval"),
+                       ({"growth_interval": 10 ** 7}, "compute.growth_interval"), ({"nope": 1}, "compute.nope")]:
+        with pytest.raises(SpecError) as info:
+            spec(corpus, "fp32", **bad) if "dtype" not in bad else spec(corpus, bad["dtype"])
+        assert info.value.field == field
+
+
+def test_policy_autocasts_and_refuses_fp16_without_cuda():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with Precision("bf16").autocast("cpu"):
+        assert (a @ b).dtype == torch.bfloat16
+    with Precision("fp32").autocast("cpu"):
+        assert (a @ b).dtype == torch.float32
+    Precision("bf16").check("cpu")
+    with pytest.raises(PrecisionError, match="needs a CUDA device"):
+        Precision("fp16").check("cpu")
+    assert Precision("fp16").scaled and not Precision("bf16").scaled
+
+
+def test_loss_scaler_backs_off_grows_and_stays_bounded():
+    s = LossScaler(initial=8.0, growth_interval=3)
+    s.update(True)
+    assert s.scale == 4.0 and s.good_steps == 0
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 8.0 and s.good_steps == 0
+    for _ in range(10):
+        s.update(True)
+    assert s.scale == MIN_SCALE
+    top = LossScaler(initial=MAX_SCALE, growth_interval=1)
+    top.update(False)
+    assert top.scale == MAX_SCALE
+    mate = LossScaler(growth_interval=3)
+    mate.load(s.state())
+    assert mate.state() == s.state()
+    for bad in [{"scale": 0.0, "good_steps": 0}, {"scale": 4.0, "good_steps": 3}, {"scale": 4, "good_steps": 0},
+                {"scale": math.inf, "good_steps": 0}, [4.0, 0]]:
+        with pytest.raises(ValueError):
+            mate.load(bad)
+
+
+def test_bf16_reference_keeps_fp32_master_weights_and_tracks_fp32(corpus):
+    fp32 = ReferenceTrainer.from_spec(spec(corpus, "fp32"), corpus.parent)
+    bf16 = ReferenceTrainer.from_spec(spec(corpus, "bf16"), corpus.parent)
+    a, b = [r.loss for r in fp32.train(8)], [r.loss for r in bf16.train(8)]
+    print("fp32", [f"{x:.4f}" for x in a], "\nbf16", [f"{x:.4f}" for x in b])
+    assert a[0] != b[0]  # bf16 really computed something else
+    assert all(abs(x - y) <= 0.02 * x for x, y in zip(a, b))
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    states = [t for opt in bf16.optimizers for s in opt.optimizer.state.values() for t in s.values()
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim()]
+    assert states and all(t.dtype == torch.float32 for t in states)
+
+
+def test_fp16_reference_refuses_cpu(corpus):
+    with pytest.raises(PrecisionError, match="needs a CUDA device"):
+        ReferenceTrainer.from_spec(spec(corpus, "fp16"), corpus.parent)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_fp16_reference_with_per_stage_scaling_tracks_fp32_on_cuda(corpus):
+    fp32 = ReferenceTrainer.from_spec(spec(corpus, "fp32"), corpus.parent, device="cuda")
+    fp16 = ReferenceTrainer.from_spec(spec(corpus, "fp16", loss_scale=2.0 ** 24, growth_interval=2),
+                                      corpus.parent, device="cuda")
+    a, b = [r.loss for r in fp32.train(8)], fp16.train(8)
+    skipped = [[math.isinf(rep.grad_norm) for rep in r.reports] for r in b]
+    print("fp32", a, "\nfp16", [r.loss for r in b], "\nskipped per stage", skipped)
+    # 2^24 overflows at first: the stages back off on their own until their gradients fit.
+    assert any(any(s) for s in skipped) and not any(skipped[-1])
+    assert all(s.scale < 2.0 ** 24 for s in fp16.scalers)
+    assert abs(a[-1] - b[-1].loss) <= 0.05 * a[-1]
+    assert all(p.dtype == torch.float32 for p in fp16.model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["transformer-lm", "llama"])
+def test_bf16_stages_send_fp32_so_the_wire_carries_the_same_bytes(arch):
+    """What crosses the network (activations, input gradients, the loss) stays fp32 under bf16
+    autocast, so the [wire] codec sees the tensors it sees in fp32: bytes on the wire unchanged."""
+    from swarmd.model import build_stage, get_architecture
+
+    config = get_architecture(arch).parse_config({"d_model": 32, "n_heads": 4}, 16)
+    first, last = build_stage(config, 0, 2, seed=0), build_stage(config, 1, 2, seed=0)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with Precision("bf16").autocast("cpu"):
+        h = first(ids)
+        x = h.detach().requires_grad_(True)
+        loss = last(x, ids)
+    loss.backward()
+    assert h.dtype == loss.dtype == x.grad.dtype == torch.float32
+    assert first.output_spec(2, 16).mismatch(h) is None and last.input_spec(2, 16).mismatch(x.grad) is None
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_stages_on_cuda_match_cpu_and_bf16_reference_runs_there(corpus):
+    from swarmd.model import LlamaConfig, build_reference
+
+    config = LlamaConfig(d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=32, layers_per_stage=2)
+    cpu, gpu = build_reference(config, 2, seed=1), build_reference(config, 2, seed=1, device="cuda")
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    a, b = cpu(ids, ids).item(), gpu(ids.cuda(), ids.cuda()).item()
+    assert abs(a - b) <= 1e-3 * abs(a)  # TF32/cuBLAS sums differ from CPU's in the last bits
+    fp32 = ReferenceTrainer.from_spec(spec(corpus, "fp32"), corpus.parent, device="cuda")
+    bf16 = ReferenceTrainer.from_spec(spec(corpus, "bf16"), corpus.parent, device="cuda")
+    x, y = [r.loss for r in fp32.train(8)], [r.loss for r in bf16.train(8)]
+    assert all(abs(p - q) <= 0.02 * p for p, q in zip(x, y))
+    sample = gpu.generate(ids[:1, :4].cuda(), 8, temperature=0)
+    assert sample.shape == (1, 12) and sample.device.type == "cuda"
