@@ -75,7 +75,7 @@ def test_the_largest_spec_the_limits_allow_is_estimated_without_allocating() -> 
         "name": "top", "steps": LIMITS["steps"].value,
         "model": {"arch": "transformer-lm", "n_heads": LIMITS["model.n_heads"].value, **top,
                   "max_seq_len": LIMITS["model.max_seq_len"].value},
-        "data": {"tokens": "t.bin", "seq_len": LIMITS["data.seq_len"].value},
+        "data": {"tokens": "t.bin", "token_dtype": "uint32", "seq_len": LIMITS["data.seq_len"].value},
         "batch": {"global_samples": LIMITS["batch.global_samples"].value,
                   "microbatch_samples": LIMITS["batch.microbatch_samples"].value},
         "pipeline": {"stages": LIMITS["pipeline.stages"].value},

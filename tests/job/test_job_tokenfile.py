@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from swarmd.job import JobSpec, SpecError
-from swarmd.job.data import DataError, open_training_data, read_tokens, resolve_sources
+from swarmd.job.data import DataError
+from swarmd.job.sources import open_training_data, read_tokens, resolve_sources
 from swarmd.job.spec import BatchSpec, DataSpec
 from swarmd.tokenfile import TokenFileError, map_tokens, write_tokens
 
