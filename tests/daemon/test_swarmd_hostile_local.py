@@ -73,17 +73,19 @@ def test_an_unadmitted_user_holding_connections_does_not_lock_root_out(daemon) -
     refused at accept (closed at once, before any slot is taken), and root's status answers while
     nobody still holds them; the refusals write at most warnings_per_source warning lines."""
     daemon.socket.chmod(0o666)
+    started = time.monotonic()
     holder = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", HOLDER, str(daemon.socket), str(HELD)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(holder.stdout.readline()) == {"opened": HELD}
+        windows = int((time.monotonic() - started) // WINDOW_S) + 1
         assert daemon.client.status()["pid"] == daemon.proc.pid
         holder.stdin.write("check\n")
         holder.stdin.flush()
         assert json.loads(holder.stdout.readline()) == {"closed": HELD}
         refusals = [line for line in daemon.logs().splitlines()
                     if "WARNING" in line and "refused control connection" in line and "uid 65534" in line]
-        assert 1 <= len(refusals) <= PER_SOURCE, refusals
+        assert 1 <= len(refusals) <= PER_SOURCE * windows, refusals
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)

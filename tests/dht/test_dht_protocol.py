@@ -1,6 +1,7 @@
 """The RPC schema: every malformed payload gets a typed DHTProtocolError, on bytes alone."""
 
 
+import msgpack
 import pytest
 
 from swarmd.clock import VirtualClock, run_virtual
@@ -101,3 +102,21 @@ def test_garbage_rpc_payloads_get_bad_request_from_a_live_node():
 
     clock = VirtualClock()
     run_virtual(main(clock), clock)
+
+
+def test_store_batches_keep_to_the_record_count_and_the_byte_budget():
+    """A hand-off of 100 records of 2 KiB values goes in requests of at most 48 KiB of records
+    (the transport refuses headers over 64 KiB), and 100 tiny records in requests of 64."""
+    cfg = DHTConfig()
+    key = dht_key("job", "handoff", "stage", 0)
+    ids = [Identity.from_seed(b"h%d" % i) for i in range(100)]
+    for size, most in ((2048, None), (8, cfg.max_records_per_store)):
+        records = [sign_record(i, key, i.peer_id, b"x" * size, 2e9) for i in ids]
+        batches = P.store_batches(records, cfg)
+        assert [r for b in batches for r in b] == records
+        assert all(sum(P.record_wire_bytes(r) for r in b) <= cfg.max_message_record_bytes for b in batches)
+        assert all(len(b) <= cfg.max_records_per_store for b in batches)
+        if most is not None:
+            assert max(len(b) for b in batches) == most
+        for batch in batches:
+            assert len(msgpack.packb(P.store_request(key, batch), use_bin_type=True)) <= 64 * 1024
