@@ -227,8 +227,8 @@ def _open_entry(parent: int, name: str, names: list[str]) -> int:
         return os.open(name, _PATH_FLAGS, dir_fd=parent)
     except FileNotFoundError:
         raise NotAFile(errno.ENOENT, f"{_text([*names, name])} does not exist") from None
-    except PermissionError:  # the daemon itself may not (e.g. /proc/1/cwd without ptrace rights)
-        raise NotAFile(errno.EACCES, f"{_text([*names, name])} cannot be opened by the daemon") from None
+    except PermissionError:  # this process itself may not (e.g. /proc/1/cwd without ptrace rights)
+        raise NotAFile(errno.EACCES, f"{_text([*names, name])} cannot be opened by this process") from None
 
 
 def _read_link(fd: int, names: list[str], name: str, links: int) -> str:
