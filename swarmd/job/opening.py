@@ -155,6 +155,8 @@ class Opener:
             os.close(probe)
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+        except PermissionError:  # the kernel's own answer, for a reader that is this process
+            raise AccessDenied(f"uid {self.reader.uid} may not read {_shown(where, asked)}") from None
         except OSError as exc:  # swapped for a symlink (ELOOP) or removed since the check
             raise NotAFile(exc.errno, f"{where} changed while it was being opened") from None
         opened = os.fstat(fd)
