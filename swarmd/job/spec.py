@@ -58,7 +58,8 @@ LIMITS: dict[str, Limit] = {
     "model.n_heads": Limit("MAX_HEADS", 1024, "attention heads per layer"),
     "model.d_ff": Limit("MAX_D_FF", 131_072, "4 x MAX_D_MODEL"),
     "model.layers_per_stage": Limit("MAX_LAYERS_PER_STAGE", 1024, "blocks a stage's forward loops over"),
-    "model.vocab": Limit("MAX_VOCAB", 65_536, "a data.tokens file holds uint16 ids, so no data has a larger id"),
+    "model.vocab": Limit("MAX_VOCAB", 1 << 22, "sixteen times the largest vocabularies in use; the tables "
+                                               "it sizes count in the stage memory estimate"),
     "model.max_seq_len": Limit("MAX_SEQ_LEN", 65_536, "rows of the position embedding"),
     "optim.lr": Limit("MAX_LR", 10.0, "past any rate that trains; a typo here wastes every stage's steps"),
     "optim.eps": Limit("MAX_EPS", 1.0, "Adam's denominator floor; larger disables the adaptive step"),

@@ -20,26 +20,31 @@ from swarmd.job.budget import (
     default_stage_memory,
     stage_memory,
 )
-from swarmd.model.registry import get_architecture
+from swarmd.model.registry import available, get_architecture
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def spec(stages: int = 3, optim: str = "adamw", microbatch: int = 4, seq_len: int = 16, **model) -> JobSpec:
+def spec(stages: int = 3, optim: str = "adamw", microbatch: int = 4, seq_len: int = 16, arch: str = "transformer-lm",
+         **model) -> JobSpec:
     return JobSpec.from_dict({
         "name": "budget", "steps": 3,
-        "model": {"arch": "transformer-lm", "d_model": 32, "n_heads": 4, "layers_per_stage": 2, **model},
+        "model": {"arch": arch, "d_model": 32, "n_heads": 4, "layers_per_stage": 2, **model},
         "data": {"files": ["x"], "seq_len": seq_len},
         "batch": {"global_samples": microbatch * 2, "microbatch_samples": microbatch},
         "optim": {"name": optim}, "pipeline": {"stages": stages},
     })
 
 
-@pytest.mark.parametrize("model", [{}, {"share_layers": True}, {"vocab": 1000, "d_ff": 48}])
+@pytest.mark.parametrize("model", [{"arch": "transformer-lm"}, {"arch": "transformer-lm", "share_layers": True},
+                                   {"arch": "transformer-lm", "vocab": 1000, "d_ff": 48},
+                                   {"arch": "llama", "n_kv_heads": 2}, {"arch": "llama", "vocab": 1000, "d_ff": 48}])
 def test_parameter_count_is_exact_for_every_stage(model: dict) -> None:
+    if model["arch"] not in available():
+        pytest.skip(f"no {model['arch']} architecture in this tree")
     job = spec(**model)
-    arch = get_architecture("transformer-lm")
+    arch = get_architecture(model["arch"])
     for stage in range(3):
         built = arch.build_stage(job.model.config, stage, 3, seed=0)
         assert stage_memory(job, stage).parameters == sum(p.numel() for p in built.parameters()), stage
