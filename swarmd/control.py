@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Protocol
 
 from swarmd.dht import DHTError, dht_key
-from swarmd.errors import LocalError
+from swarmd.errors import Busy, LocalError
 from swarmd.jobs import JobRegistry, JobRequestError
 from swarmd.jobs.exporting import export_messages
 from swarmd.jobs.serving import Serving
@@ -155,7 +155,7 @@ def register(router: Router, daemon: DaemonView) -> None:
             await daemon.serving.serve(job.spec, job.job_id, stage)
         except (ExportError, PrecisionError) as exc:  # the job's init weights or dtype cannot be served here
             raise RpcError("bad_request", f"stage {stage}: {exc}") from None
-        except ValueError as exc:
+        except Busy as exc:  # jobs.max_stages reached, or the stage is over jobs.max_stage_memory
             raise RpcError("busy", f"stage: {exc}") from None
         return Message({"job": job.job_id.hex(), "stage": stage})
 

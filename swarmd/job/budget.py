@@ -19,8 +19,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from typing import Any, Callable
+
+from swarmd.errors import Busy
 from swarmd.job.spec import JobSpec
-from swarmd.model.transformer import TransformerConfig
 
 #: Every tensor a stage keeps is fp32 (swarmd/stage trains in fp32; codecs only touch the wire).
 BYTES_PER_VALUE = 4
@@ -33,7 +35,34 @@ OPTIMIZER_SLOTS = {"adamw": 2, "lamb": 2, "sgd": 1}
 DEFAULT_SHARE = 0.5
 
 
-class StageTooLarge(ValueError):
+@dataclass(frozen=True)
+class Shape:
+    """An architecture's sizes in the terms the estimate needs, from its config's fields."""
+
+    block: int  # parameters of one transformer block
+    embed: int  # parameters stage 0 adds (token and position tables)
+    head: int  # parameters the last stage adds (final norm, LM head)
+    mlp_tensors: int  # d_ff-wide activations one token keeps per block
+
+
+def _transformer_lm(c: Any) -> Shape:
+    d, dff = c.d_model, c.d_ff  # LayerNorms and Linear layers with biases; a learned position table
+    return Shape(block=4 * d * d + 2 * d * dff + 9 * d + dff, embed=(c.vocab + c.max_seq_len) * d,
+                 head=2 * d + d * c.vocab, mlp_tensors=2)
+
+
+def _llama(c: Any) -> Shape:
+    d, dff = c.d_model, c.d_ff  # RMSNorm gains, no biases, grouped key/value heads, SwiGLU; rotary: no table
+    kv = 2 * c.n_kv_heads * (d // c.n_heads) * d
+    return Shape(block=2 * d * d + kv + 3 * d * dff + 2 * d, embed=c.vocab * d, head=d + d * c.vocab, mlp_tensors=3)
+
+
+#: The architectures with a formula, by the name a spec's `model.arch` gives (their config classes
+#: live in swarmd.model; only fields are read here).
+SHAPES: dict[str, Callable[[Any], Shape]] = {"transformer-lm": _transformer_lm, "llama": _llama}
+
+
+class StageTooLarge(Busy):
     """A stage's estimated memory exceeds this daemon's `jobs.max_stage_memory`."""
 
 
@@ -57,23 +86,24 @@ class StageMemory:
 
 
 def stage_memory(spec: JobSpec, stage: int, *, microbatches_at_once: int = 8) -> StageMemory | None:
-    """The estimate for stage `stage` of `spec`; None for an architecture with no formula here
-    (a plugin: installed by this machine's operator, so its own configs are its own to bound).
+    """The estimate for stage `stage` of `spec`; None for an architecture not in `SHAPES` (a
+    plugin: installed by this machine's operator, so its own configs are its own to bound).
     `microbatches_at_once`: how many microbatches' activations may be alive together."""
-    config = spec.model.config
-    if not isinstance(config, TransformerConfig):
+    if spec.model.arch not in SHAPES:
         return None
+    config = spec.model.config
+    shape = SHAPES[spec.model.arch](config)
     first, last = stage == 0, stage == spec.pipeline.stages - 1
-    d, dff, vocab = config.d_model, config.d_ff, config.vocab
-    block = 4 * d * d + 2 * d * dff + 9 * d + dff
-    params = block * (1 if config.share_layers else config.layers_per_stage)
-    params += (vocab + config.max_seq_len) * d if first else 0
-    params += (2 * d + d * vocab) if last else 0
+    d = config.d_model
+    params = shape.block * (1 if config.share_layers else config.layers_per_stage)
+    params += shape.embed if first else 0
+    params += shape.head if last else 0
     samples, tokens = spec.batch.microbatch_samples * microbatches_at_once, spec.data.seq_len
-    per_layer = samples * tokens * (10 * d + 2 * dff) + 2 * samples * config.n_heads * tokens * tokens
+    per_layer = samples * tokens * (10 * d + shape.mlp_tensors * config.d_ff)
+    per_layer += 2 * samples * config.n_heads * tokens * tokens
     values = per_layer * config.layers_per_stage
     values += 2 * samples * tokens * d if first else 0
-    values += 3 * samples * tokens * vocab if last else 0
+    values += 3 * samples * tokens * config.vocab if last else 0
     return StageMemory(parameters=params, weights=params * BYTES_PER_VALUE,
                        gradients=GRADIENT_COPIES * params * BYTES_PER_VALUE,
                        optimizer=OPTIMIZER_SLOTS.get(spec.optim.name, 2) * params * BYTES_PER_VALUE,

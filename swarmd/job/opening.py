@@ -157,6 +157,8 @@ class Opener:
             os.close(probe)
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+        except PermissionError:  # the kernel's own answer, for a reader that is this process
+            raise AccessDenied(f"uid {self.reader.uid} may not read {_shown(where, asked)}") from None
         except OSError as exc:  # swapped for a symlink (ELOOP) or removed since the check
             raise NotAFile(exc.errno, f"{where} changed while it was being opened") from None
         opened = os.fstat(fd)
@@ -229,8 +231,8 @@ def _open_entry(parent: int, name: str, names: list[str]) -> int:
         return os.open(name, _PATH_FLAGS, dir_fd=parent)
     except FileNotFoundError:
         raise NotAFile(errno.ENOENT, f"{_text([*names, name])} does not exist") from None
-    except PermissionError:  # the daemon itself may not (e.g. /proc/1/cwd without ptrace rights)
-        raise NotAFile(errno.EACCES, f"{_text([*names, name])} cannot be opened by the daemon") from None
+    except PermissionError:  # this process itself may not (e.g. /proc/1/cwd without ptrace rights)
+        raise NotAFile(errno.EACCES, f"{_text([*names, name])} cannot be opened by this process") from None
 
 
 def _read_link(fd: int, names: list[str], name: str, links: int) -> str:

@@ -184,9 +184,10 @@ def named_sources(paths: Sequence[str], tokens: bool, reader: Reader, token_dtyp
         raise SpecError("data", f"{len(paths)} paths, over MAX_DATA_PATHS ({MAX_DATA_PATHS})")
     opener, found = Opener(reader), []
     for path in paths:
-        opened = _probe(opener, path) if path.startswith("/") else None
-        if opened is None:
-            raise SpecError("data", f"{path} is not an absolute path to a file")
+        try:
+            opened = opener.open_file(path)
+        except NotAFile as exc:  # its message says why: missing, a directory, a loop, ...
+            raise SpecError("data", f"{path} is not an absolute path to a file ({exc.strerror})") from None
         found.append(opened.path)
         opened.close()
     if tokens:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmd.errors import Busy
 from swarmd.dht.errors import DHTError
 from swarmd.job.budget import check_stage_fits, default_stage_memory
 from swarmd.jobs.directory import announcement_value, stage_key
@@ -64,7 +65,7 @@ class Serving:
         if (job_id, stage) in self.served:
             return self.served[(job_id, stage)].service
         if len(self.served) >= self.max_stages:
-            raise ValueError(f"already serving {len(self.served)} stages (jobs.max_stages = {self.max_stages})")
+            raise Busy(f"already serving {len(self.served)} stages (jobs.max_stages = {self.max_stages})")
         check_stage_fits(spec, stage, self.max_stage_memory, microbatches_at_once=self.limits.max_batch * self.limits.workers)
         service = StageService(spec, job_id, stage, self.peer_id, self.router, self.pool, self.directory,
                                address=self.address, device=self.device, limits=job_limits(self.limits, spec),

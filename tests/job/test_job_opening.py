@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -215,3 +217,42 @@ def test_a_file_whose_acl_denies_what_its_mode_grants_is_refused(att):
     assert oct(f.stat().st_mode & 0o777) == "0o644"
     with pytest.raises(AccessDenied, match=r"may not read .*/acl\.txt"):
         named_sources([str(f)], False, NOBODY)
+
+
+AS_THIS_PROCESS = """
+import sys
+from swarmd.job.opening import AccessDenied, Opener, Reader
+reader = Reader.this_process()
+for path in sys.argv[1:]:
+    try:
+        Opener(reader).open_file(path).close()
+        print(path, "read")
+    except AccessDenied as exc:
+        print(path, "refused:", exc)
+"""
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_local_tool_run_by_a_user_gets_the_kernels_own_answers(att):
+    """Steps: as `nobody` (setpriv), a process opens a 0644 file, a 0600 root file and a 0644 file
+    whose ACL denies nobody, as itself (`Reader.this_process()`: the kernel decides).
+    Expected: read, refused (naming the file), refused."""
+    readable, secret, acl = public(att / "r.txt"), att / "s.txt", public(att / "acl.txt")
+    secret.write_bytes(b"root only")
+    secret.chmod(0o600)
+    denied = [(0x01, 6, 0xFFFFFFFF), (0x02, 0, 65534), (0x04, 4, 0xFFFFFFFF), (0x10, 4, 0xFFFFFFFF), (0x20, 4, 0xFFFFFFFF)]
+    try:
+        os.setxattr(acl, "system.posix_acl_access", struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in denied))
+    except OSError as exc:
+        pytest.skip(f"no POSIX ACLs on this filesystem: {exc}")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[2]))}
+    done = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
+                           AS_THIS_PROCESS, str(readable), str(secret), str(acl)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd="/")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"{readable} read"
+    assert lines[1] == f"{secret} refused: uid 65534 may not read {secret}"
+    assert lines[2].startswith(f"{acl} refused")
