@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from waiting import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmd.config import Address
@@ -147,15 +148,6 @@ def scrape(daemon) -> dict[tuple[str, tuple], float]:
 def sample(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 @pytest.mark.slow

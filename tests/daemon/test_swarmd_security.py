@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from swarmd.dht.protocol import PING
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
@@ -28,12 +29,6 @@ FAST = {"SWARMD_PEERS_PING_INTERVAL_S": "0.5", "SWARMD_PEERS_LIVENESS_WINDOW_S":
 #: How long an outsider keeps trying (bootstrap retries, pings) while we watch that nobody lists it.
 OUTSIDER_WATCH_S = 5.0
 
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def listed(daemon) -> set[str]:
@@ -66,7 +61,7 @@ def test_only_peers_that_agree_join(spawn, tmp_path: Path, case: str) -> None:
     b.wait_ready()
     c.wait_ready()
     ab = {a.status["peer_id"], b.status["peer_id"]}
-    wait_until(lambda: {p["peer_id"] for p in a.client.peers() if p["alive"]} == ab
+    wait_for(lambda: {p["peer_id"] for p in a.client.peers() if p["alive"]} == ab
                and {p["peer_id"] for p in b.client.peers() if p["alive"]} == ab, 60, "A and B to see each other")
 
     outsider_id = c.status["peer_id"]
@@ -76,7 +71,7 @@ def test_only_peers_that_agree_join(spawn, tmp_path: Path, case: str) -> None:
         assert outsider_id not in listed(a) | listed(b)
         time.sleep(0.5)
     assert c.client.status()["bootstrap"]["joined"] is False
-    wait_until(lambda: "hello with" in a.logs() and reason in a.logs(), 30, f"A to log why it refused ({reason})")
+    wait_for(lambda: "hello with" in a.logs() and reason in a.logs(), 30, f"A to log why it refused ({reason})")
 
 
 def test_jobs_from_unlisted_submitters_are_refused(spawn, tmp_path: Path, swarmctl) -> None:
@@ -104,7 +99,7 @@ def test_jobs_from_unlisted_submitters_are_refused(spawn, tmp_path: Path, swarmc
         result = swarmctl("--socket", str(b.socket), "--json", "job", job_id)
         return result.returncode == EXIT_OK
 
-    wait_until(b_knows, 60, "B to learn the job")
+    wait_for(b_knows, 60, "B to learn the job")
     job = json.loads(swarmctl("--socket", str(b.socket), "--json", "job", job_id).stdout)
     assert job["name"] == "tiny"
     served = swarmctl("--socket", str(b.socket), "--json", "serve", job_id, "--stage", "0")

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from swarmd.exitcodes import EXIT_OK
 
@@ -25,13 +26,6 @@ FAST = {"SWARMD_PEERS_PING_INTERVAL_S": "0.5", "SWARMD_PEERS_LIVENESS_WINDOW_S":
 def alive_ids(peers: list[dict]) -> set[str]:
     return {p["peer_id"] for p in peers if p["alive"]}
 
-
-def wait_until(predicate, timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return time.monotonic() - started
 
 
 def test_three_daemons_see_each_other_and_notice_a_death(spawn, free_port) -> None:
@@ -49,7 +43,7 @@ def test_three_daemons_see_each_other_and_notice_a_death(spawn, free_port) -> No
     trio = (a, b, c)
     ids = {d.wait_ready()["peer_id"] for d in trio}
     assert len(ids) == 3
-    wait_until(lambda: all(alive_ids(d.client.peers()) == ids for d in trio), 60, "all three to see all three")
+    wait_for(lambda: all(alive_ids(d.client.peers()) == ids for d in trio), 60, "all three to see all three")
 
     clis = [subprocess.Popen([str(Path(sys.executable).parent / "swarmctl"), "--socket", str(d.socket),
                               "peers", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -65,8 +59,9 @@ def test_three_daemons_see_each_other_and_notice_a_death(spawn, free_port) -> No
     c.proc.kill()
     c.proc.wait(timeout=30)
     budget = float(FAST["SWARMD_PEERS_LIVENESS_WINDOW_S"]) + 0.5 + 1.0 + 5.0
-    took = wait_until(lambda: all(dead not in alive_ids(d.client.peers()) for d in (a, b)), budget,
-                      "A and B to report C dead")
+    started = time.monotonic()
+    wait_for(lambda: all(dead not in alive_ids(d.client.peers()) for d in (a, b)), budget, "A and B to report C dead")
+    took = time.monotonic() - started
     print(f"killed peer reported dead after {took:.1f} s (window 3 s)")
     for d in (a, b):
         assert alive_ids(d.client.peers()) == ids - {dead}

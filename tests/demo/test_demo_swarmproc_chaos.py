@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from swarmd.client import DaemonUnavailable, SyncClient
 from swarmd.exitcodes import EXIT_OK
@@ -17,12 +17,6 @@ pytestmark = pytest.mark.slow
 def alive_ids(peer) -> set[str]:
     return {p["peer_id"] for p in peer.client().peers() if p["alive"]}
 
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_stop_cont_restart_kill_drain_and_close(tmp_path: Path, procs) -> None:
@@ -37,7 +31,7 @@ def test_stop_cont_restart_kill_drain_and_close(tmp_path: Path, procs) -> None:
     try:
         a, b, c = swarm.start(3)
         ids = {p.peer_id for p in (a, b, c)}
-        wait_until(lambda: all(alive_ids(p) == ids for p in (a, b, c)), 60, "all three to see each other")
+        wait_for(lambda: all(alive_ids(p) == ids for p in (a, b, c)), 60, "all three to see each other")
 
         swarm.stop(b)
         with pytest.raises(DaemonUnavailable):
@@ -52,10 +46,10 @@ def test_stop_cont_restart_kill_drain_and_close(tmp_path: Path, procs) -> None:
         dead_pid = c.pid
         swarm.kill(c)
         assert not c.alive and not procs.running(dead_pid)
-        wait_until(lambda: c.peer_id not in alive_ids(a) | alive_ids(b), 20, "c reported dead")
+        wait_for(lambda: c.peer_id not in alive_ids(a) | alive_ids(b), 20, "c reported dead")
 
         d = swarm.add()
-        wait_until(lambda: d.peer_id in alive_ids(a), 30, "a to see d")
+        wait_for(lambda: d.peer_id in alive_ids(a), 30, "a to see d")
         assert swarm.drain(d) == EXIT_OK and not d.alive
 
         pids = [p.pid for p in swarm.live()]

@@ -8,22 +8,12 @@ test is skipped and says why.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-
-_spec = importlib.util.spec_from_file_location("jobs_conftest", Path(__file__).parent.parent / "jobs" / "conftest.py")
-jobs_conftest = sys.modules.setdefault("jobs_conftest", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(jobs_conftest)
-
-swarm_root = jobs_conftest.swarm_root
-swarm = jobs_conftest.swarm
-swarmctl = jobs_conftest.swarmctl
-kit = jobs_conftest.kit
+from jobswarm import kit, swarm, swarm_root, swarmctl  # noqa: F401 (fixtures)
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 #: CFS period of the test's groups: short, so even a few milliseconds of compute feel the quota.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -20,8 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import jobswarm
 import pytest
 import torch
+from jobspec import write_job
+from jobswarm import swarm_root, swarmctl  # noqa: F401 (fixtures)
+from waiting import wait_for
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import load_spec, open_training_data
@@ -33,11 +36,6 @@ from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
 
 torch.set_num_threads(1)
 
-_spec = importlib.util.spec_from_file_location("jobs_conftest", Path(__file__).parent.parent / "jobs" / "conftest.py")
-jobs_conftest = sys.modules.setdefault("jobs_conftest", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(jobs_conftest)
-swarm_root = jobs_conftest.swarm_root
-swarmctl = jobs_conftest.swarmctl
 
 HOSTILE = Path(__file__).with_name("hostile_peer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -244,7 +242,7 @@ def kit():
 @pytest.fixture(scope="module")
 def daemons(swarm_root):
     """The job tests' real `swarmd` processes (`daemons.start(name, *flags)`), killed at the end."""
-    started = jobs_conftest.Swarm(swarm_root)
+    started = jobswarm.Swarm(swarm_root)
     try:
         yield started
     finally:
@@ -254,8 +252,8 @@ def daemons(swarm_root):
 @pytest.fixture(scope="session")
 def jobs_kit():
     """The job tests' helpers: writing a job and its corpus, waiting, a finished job, its step events."""
-    return SimpleNamespace(write_job=jobs_conftest.write_job, wait_for=jobs_conftest.wait_for,
-                           finished=jobs_conftest.finished, step_events=jobs_conftest.step_events)
+    return SimpleNamespace(write_job=write_job, wait_for=wait_for, finished=jobswarm.finished,
+                           step_events=jobswarm.step_events)
 
 
 @pytest.fixture

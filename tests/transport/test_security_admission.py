@@ -9,6 +9,7 @@ import socket
 import time
 
 import pytest
+from waiting import until
 
 from transport.errors import ConnectionLost, HandshakeError
 from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
@@ -52,26 +53,21 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-async def _wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
 
 async def test_silent_sockets_hold_at_most_the_per_source_quota_and_free_it_at_the_deadline():
     config = RpcConfig(max_unproven_per_source=4, max_unproven_connections=100, handshake_timeout_s=2.0)
     srv = await RpcServer.serve_tcp(_router(), "127.0.0.1", 0, config)
     socks = [_raw(srv.address) for _ in range(12)]
     try:
-        await _wait_for(lambda: srv.unproven_connections == 4 and srv.connections == 4, 3)
+        await until(lambda: srv.unproven_connections == 4 and srv.connections == 4, 3, "four unproven connections held")
         # The 8 over the quota were closed at once, long before the 2 s deadline.
-        await _wait_for(lambda: sum(_closed_by_peer(s) for s in socks) >= 8, 0.8)
+        await until(lambda: sum(_closed_by_peer(s) for s in socks) >= 8, 0.8,
+                    "the eight sockets over quota to be dropped")
         # An honest client from the same host is refused while the quota is held...
         with pytest.raises((HandshakeError, ConnectionLost)):
             await _echo(srv.address)
         # ...and gets in once the deadline has cleared the silent ones.
-        await _wait_for(lambda: srv.unproven_connections == 0, 4)
+        await until(lambda: srv.unproven_connections == 0, 4, "every unproven slot freed at the deadline")
         assert (await _echo(srv.address)).meta == {"x": 1}
         assert all(_closed_by_peer(s) for s in socks)
     finally:
@@ -85,9 +81,10 @@ async def test_total_quota_counts_every_source():
     srv = await RpcServer.serve_tcp(_router(), "127.0.0.1", 0, config)
     socks = [_raw(srv.address) for _ in range(6)]
     try:
-        await _wait_for(lambda: sum(_closed_by_peer(s) for s in socks) >= 3, 0.8)
+        await until(lambda: sum(_closed_by_peer(s) for s in socks) >= 3, 0.8,
+                    "the three sockets over the total to be dropped")
         assert srv.unproven_connections == 3
-        await _wait_for(lambda: srv.unproven_connections == 0, 4)
+        await until(lambda: srv.unproven_connections == 0, 4, "every unproven slot freed at the deadline")
         assert (await _echo(srv.address)).meta == {"x": 1}
     finally:
         for s in socks:
