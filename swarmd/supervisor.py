@@ -64,6 +64,15 @@ class Fault:
                 "retry_in_s": None if self.retry_at is None else round(max(0.0, self.retry_at - now), 1)}
 
 
+def _describe(exc: BaseException) -> str:
+    """One line for people: a task group's failure by its first error, the others counted."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = exc.exceptions
+        first = _describe(leaves[0])
+        return first if len(leaves) == 1 else f"{first} (and {len(leaves) - 1} more)"
+    return f"{type(exc).__name__}: {exc}"
+
+
 class Faults:
     """The daemon's board of supervised failures, read by `swarmctl status` (`supervision`)."""
 
@@ -74,7 +83,7 @@ class Faults:
 
     def failed(self, task: str, exc: BaseException, retry_in_s: float) -> Fault:
         now = time.time()
-        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+        error = _describe(exc)[:MAX_ERROR_CHARS]
         fault = self._by_task.pop(task, None) or Fault(task, 0, "", now, None)
         fault.restarts += 1
         fault.last_error, fault.at, fault.retry_at = error, now, now + retry_in_s

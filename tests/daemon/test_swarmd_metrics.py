@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from swarmd.config import Address
 from swarmd.dht import protocol as dht_protocol
 from swarmd.dht.errors import REJECTION_REASONS
+from swarmd.values import VALUE_REFUSALS
 from swarmd.dht.records import Record, dht_key, sign_record, signing_payload
 from swarmd.metrics import Metrics, InstrumentedRouter, serve
 from transport.errors import HANDSHAKE_FAILURE_REASONS, HandshakeError, RemoteError, RpcError
@@ -224,7 +225,7 @@ def test_security_signals_count_each_attack_on_a_real_daemon(spawn) -> None:
     start = scrape(a)
     hellos, records = "swarmd_transport_handshake_failures_total", "swarmd_dht_refused_records_total"
     assert {dict(labels)["reason"] for name, labels in start if name == hellos} == set(HANDSHAKE_FAILURE_REASONS)
-    assert {dict(labels)["reason"] for name, labels in start if name == records} == set(REJECTION_REASONS)
+    assert {dict(labels)["reason"] for name, labels in start if name == records} == {*REJECTION_REASONS, *VALUE_REFUSALS}
     assert not any("peer" in key for _, labels in start for key, _ in labels)
 
     async def flood() -> int:

@@ -71,3 +71,15 @@ def test_the_board_is_bounded_and_forgets_the_least_recently_failed() -> None:
         faults.failed(name, RuntimeError(name), 1.0)
     assert [t["task"] for t in faults.status()["tasks"]] == ["c", "a"]
     assert faults.get("a").restarts == 2 and faults.total == 4
+
+
+def test_swarmctl_status_prints_the_faults() -> None:
+    from swarmd.ctl import _supervision_rows
+
+    faults = Faults()
+    assert _supervision_rows(faults.status()) == [("faults", "none")]
+    faults.failed("joining: poll jobs", ValueError("invalid literal for int() with base 10: 'oops'"), 2.0)
+    rows = _supervision_rows(faults.status())
+    assert rows[0] == ("faults", "1 restarts of supervised loops")
+    assert rows[1][1] == ("joining: poll jobs: 1 restarts (restarting): "
+                          "ValueError: invalid literal for int() with base 10: 'oops'")
