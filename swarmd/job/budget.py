@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 from swarmd.job.spec import JobSpec
+from swarmd.model.llama import LlamaConfig
 from swarmd.model.transformer import TransformerConfig
 
 #: Every tensor a stage keeps is fp32 (swarmd/stage trains in fp32; codecs only touch the wire).
@@ -61,23 +62,49 @@ def stage_memory(spec: JobSpec, stage: int, *, microbatches_at_once: int = 8) ->
     (a plugin: installed by this machine's operator, so its own configs are its own to bound).
     `microbatches_at_once`: how many microbatches' activations may be alive together."""
     config = spec.model.config
-    if not isinstance(config, TransformerConfig):
+    formula = _transformer_lm if isinstance(config, TransformerConfig) else \
+        _llama if isinstance(config, LlamaConfig) else None
+    if formula is None:
         return None
     first, last = stage == 0, stage == spec.pipeline.stages - 1
+    samples = spec.batch.microbatch_samples * microbatches_at_once
+    params, values = formula(config, first, last, samples, spec.data.seq_len)
+    return StageMemory(parameters=params, weights=params * BYTES_PER_VALUE,
+                       gradients=GRADIENT_COPIES * params * BYTES_PER_VALUE,
+                       optimizer=OPTIMIZER_SLOTS.get(spec.optim.name, 2) * params * BYTES_PER_VALUE,
+                       activations=values * BYTES_PER_VALUE)
+
+
+def _transformer_lm(config: TransformerConfig, first: bool, last: bool, samples: int, tokens: int) -> tuple[int, int]:
+    """(parameters, activation values) of a `transformer-lm` stage (swarmd/model/transformer.py)."""
     d, dff, vocab = config.d_model, config.d_ff, config.vocab
     block = 4 * d * d + 2 * d * dff + 9 * d + dff
     params = block * (1 if config.share_layers else config.layers_per_stage)
     params += (vocab + config.max_seq_len) * d if first else 0
     params += (2 * d + d * vocab) if last else 0
-    samples, tokens = spec.batch.microbatch_samples * microbatches_at_once, spec.data.seq_len
     per_layer = samples * tokens * (10 * d + 2 * dff) + 2 * samples * config.n_heads * tokens * tokens
     values = per_layer * config.layers_per_stage
     values += 2 * samples * tokens * d if first else 0
     values += 3 * samples * tokens * vocab if last else 0
-    return StageMemory(parameters=params, weights=params * BYTES_PER_VALUE,
-                       gradients=GRADIENT_COPIES * params * BYTES_PER_VALUE,
-                       optimizer=OPTIMIZER_SLOTS.get(spec.optim.name, 2) * params * BYTES_PER_VALUE,
-                       activations=values * BYTES_PER_VALUE)
+    return params, values
+
+
+def _llama(config: LlamaConfig, first: bool, last: bool, samples: int, tokens: int) -> tuple[int, int]:
+    """(parameters, activation values) of a `llama` stage (swarmd/model/llama.py): no biases, two
+    RMSNorm weights, grouped key/value heads, a three-matrix SwiGLU, no position table. Per layer
+    it keeps about 16 d-wide values per token (norms, the fp32 rotary copies, the key/value heads
+    repeated to every query head, the residuals) and four d_ff-wide ones (gate and up, silu, product)."""
+    d, dff, vocab = config.d_model, config.d_ff, config.vocab
+    kv = 2 * config.n_kv_heads * config.head_dim
+    block = 2 * d + 2 * d * d + d * kv + 3 * d * dff
+    params = block * (1 if config.share_layers else config.layers_per_stage)
+    params += vocab * d if first else 0
+    params += (d + d * vocab) if last else 0
+    per_layer = samples * tokens * (16 * d + 2 * kv + 4 * dff) + 2 * samples * config.n_heads * tokens * tokens
+    values = per_layer * config.layers_per_stage
+    values += samples * tokens * d if first else 0
+    values += 3 * samples * tokens * vocab if last else 0
+    return params, values
 
 
 def check_stage_fits(spec: JobSpec, stage: int, limit: int, *, microbatches_at_once: int = 8) -> StageMemory | None:
