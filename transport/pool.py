@@ -24,7 +24,7 @@ def parse_address(addr: Address) -> tuple[str, int] | str:
     """("host", port) for TCP or "unix:/path"; accepts "host:port" and "[v6]:port" strings."""
     if isinstance(addr, tuple):
         host, port = addr
-        return str(host), int(port)
+        return _resolvable(str(host), repr(addr)), int(port)
     if not isinstance(addr, str):
         raise LocalProtocolError(f"an address is 'host:port', (host, port) or 'unix:/path', got {addr!r}")
     if addr.startswith("unix:"):
@@ -34,7 +34,19 @@ def parse_address(addr: Address) -> tuple[str, int] | str:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise LocalProtocolError(f"address {addr!r} is not host:port")
-    return host.strip("[]"), int(port)
+    return _resolvable(host.strip("[]"), addr), int(port)
+
+
+def _resolvable(host: str, addr: str) -> str:
+    """`host`, if the resolver can encode it. Addresses come from strangers (DHT contacts, stage
+    announcements), and `getaddrinfo` refuses a name with an empty or over-long label (`a..b`) by
+    raising UnicodeError, which no caller expects of a dial: one such contact made every DHT lookup
+    that met it raise. Here it is refused as the bad address it is."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise LocalProtocolError(f"address {addr!r}: the host is not a name the resolver accepts") from None
+    return host
 
 
 class Pool:
