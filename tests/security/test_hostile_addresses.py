@@ -7,7 +7,8 @@ put that contact in every honest node's routing table, and from then on every DH
 of those nodes raised (an ExceptionGroup around the UnicodeError) instead of skipping an
 unreachable contact: one RPC per node stopped the swarm's DHT. The same host in a stage
 announcement passed the values edge and made the prober, hence `job.get` and the joining loop,
-raise. Real sockets on loopback, in this process."""
+raise. A NUL in the host (ValueError) or a port past 65535 (OverflowError) did the same. Real
+sockets on loopback, in this process."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from transport.identity import Identity
 from transport.pool import Pool
 
 CFG = DHTConfig(rpc_timeout=1.0)
-UNENCODABLE = ["a..b:1", "a" * 64 + ".example:80", ".:80", "[a..b]:80"]
+#: Hosts `getaddrinfo` refuses with UnicodeError, a NUL (ValueError), a port past 65535 (OverflowError).
+UNENCODABLE = ["a..b:1", "a" * 64 + ".example:80", ".:80", "[a..b]:80", "a\x00b:1", "localhost:99999999999999999999",
+               "localhost:65536"]
 
 
 @pytest.mark.parametrize("addr", UNENCODABLE)
