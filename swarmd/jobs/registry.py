@@ -17,7 +17,9 @@ schemas, and the one place they are decoded, are in `swarmd.values`):
 
 Reading the index is bounded (`IndexLimits`, from `[jobs]`): a submitter's entry lists at most
 `max_ids_per_submitter` ids; one refresh looks up at most `lookups_per_refresh` specs and as many
-end records; an id whose spec was not found (or not valid) is not looked up again for `miss_ttl_s`.
+end records; an id whose spec was not found (or not valid) is not looked up again for `miss_ttl_s`;
+a learned job the index has not listed for `forget_after_s` is forgotten, so what a daemon knows
+is bounded by what the index holds, not by how many ids it ever listed.
 Eight index entries listing 512 made-up ids each used to make an idle daemon run ~51 lookups a
 second for ever.
 """
@@ -63,6 +65,11 @@ class IndexLimits:
     max_ids_per_submitter: int = 64
     lookups_per_refresh: int = 16
     miss_ttl_s: float = 300.0
+    #: A job learned from the index and missing from it this long is forgotten (learned again,
+    #: one lookup, if it comes back). Without it a stranger listing fresh ids at every refresh grew
+    #: `jobs` by `lookups_per_refresh` per refresh for ever; long enough that a few failed reads
+    #: of the index forget nothing.
+    forget_after_s: float = 600.0
 
 
 class JobRequestError(LocalError):
@@ -130,6 +137,7 @@ class JobRegistry:
         self._announcements: list[Any] = []
         self._index = None
         self.listed: set[bytes] = set()  # job ids in the `jobs` index at the last refresh
+        self._unlisted: dict[bytes, float] = {}  # learned job id -> when the index stopped listing it
         self._forgeries: collections.OrderedDict[tuple[bytes, bytes], None] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ submit
@@ -239,6 +247,15 @@ class JobRegistry:
         for job in sorted(unended, key=lambda j: j.end_checked_at)[:self.index_limits.lookups_per_refresh]:
             await self.check_end(job)
         self.listed = listed
+        self._forget_unlisted(listed, now)
+
+    def _forget_unlisted(self, listed: set[bytes], now: float) -> None:
+        """Forget the jobs learned from the index that it has not listed for `forget_after_s`."""
+        for job_id in listed:
+            self._unlisted.pop(job_id, None)
+        for job_id in [j for j, job in self.jobs.items() if not job.local and j not in listed]:
+            if now - self._unlisted.setdefault(job_id, now) >= self.index_limits.forget_after_s:
+                del self.jobs[job_id], self._unlisted[job_id]
 
     def accepts(self, submitter: bytes) -> bool:
         """Whether `jobs.accept_jobs_from` admits jobs signed by this public key."""
