@@ -250,10 +250,11 @@ class JobRegistry:
         self._forget_unlisted(listed, now)
 
     def _forget_unlisted(self, listed: set[bytes], now: float) -> None:
-        """Forget the jobs learned from the index that it has not listed for `forget_after_s`."""
+        """Forget the jobs learned from the index that it has not listed for `forget_after_s`;
+        one this daemon trains (data attached by `job.train`) is kept while its trainers may run."""
         for job_id in listed:
             self._unlisted.pop(job_id, None)
-        for job_id in [j for j, job in self.jobs.items() if not job.local and j not in listed]:
+        for job_id in [j for j, job in self.jobs.items() if not job.local and job.sources is None and j not in listed]:
             if now - self._unlisted.setdefault(job_id, now) >= self.index_limits.forget_after_s:
                 del self.jobs[job_id], self._unlisted[job_id]
 
