@@ -149,18 +149,17 @@ def _unpack(value: bytes, reason: str, *, max_len: int, arrays: int, maps: int) 
 
 
 def valid_addr(addr: Any) -> bool:
-    """`host:port` with a non-empty host of printable ASCII that the resolver accepts (no empty or
-    over-long label) and a port in 1..65535."""
+    """TCP `host:port` (never `unix:`) with a non-empty host of printable ASCII that the resolver
+    accepts (no empty or over-long label) and a port in 1..65535."""
     if not isinstance(addr, str) or not 3 <= len(addr) <= MAX_ADDR_CHARS or not addr.isascii():
         return False
     host, sep, port = addr.rpartition(":")
     if not (sep and host and host.isprintable() and " " not in host and port.isdigit() and 1 <= int(port) <= 65535):
         return False
     try:  # a name the resolver cannot encode (`a..b`) would make every dial of it raise UnicodeError
-        parse_address(addr)
+        return isinstance(parse_address(addr), tuple)  # and `unix:/path` is a socket on our own host
     except LocalProtocolError:
         return False
-    return True
 
 
 def decode_announcement(value: bytes, peer_id: bytes, stage: int, expires: float) -> StageAnnouncement:

@@ -86,3 +86,53 @@ async def test_a_stranger_claiming_an_unencodable_addr_does_not_stop_the_dht() -
         await stranger.stop()
         for node in nodes:
             await node.stop()
+
+
+async def test_a_stranger_cannot_make_nodes_dial_a_local_unix_socket(tmp_path) -> None:
+    """Steps: a unix socket of the host's (here one of ours, counting connections); two honest
+    nodes; a stranger calls `dht.find_node` on both claiming `addr = "unix:<that socket>"`; then
+    node 1 stores a record. Expected: no node ever connects to the socket (a peer's address is a
+    TCP `host:port`; the claim is refused as a bad request). On the old code both nodes put the
+    path in their routing tables and the store dialled it, as the daemon's user (root, for a
+    system daemon: its own control socket, docker.sock...)."""
+    import asyncio
+
+    hits = []
+    path = tmp_path / "victim.sock"
+
+    async def accepted(reader, writer):
+        hits.append(1)
+        writer.close()
+
+    server = await asyncio.start_unix_server(accepted, str(path))
+    nodes = []
+    for i in range(2):
+        identity = Identity.from_seed(b"unix-%d" % i)
+        node = DHTNode(identity, await RpcNetwork.listen(identity, config=CFG), CFG)
+        await node.start()
+        nodes.append(node)
+    stranger = await RpcNetwork.listen(Identity.from_seed(b"unix-stranger"), config=CFG)
+    stranger._address = f"unix:{path}"
+    try:
+        assert await nodes[1].bootstrap([nodes[0].address]) >= 1
+        for node in nodes:
+            try:
+                await stranger.call(node.address, P.FIND_NODE, {"target": node.peer_id}, 2.0)
+            except Exception:  # noqa: BLE001 - refusing the claim is the right answer
+                pass
+        assert all(not c.address.startswith("unix:") for node in nodes for c in node.contacts())
+        await nodes[1].store(dht_key("job", "unix", "stage", 0), nodes[1].peer_id, b"v", time.time() + 60)
+        assert hits == []
+    finally:
+        await stranger.stop()
+        for node in nodes:
+            await node.stop()
+        server.close()
+
+
+def test_contacts_and_announcements_never_name_a_unix_socket() -> None:
+    with pytest.raises(P.DHTProtocolError):
+        P.parse_contacts({"contacts": [[b"i" * 32, "unix:/run/docker.sock"]]}, CFG)
+    value = announcement_value("unix:/run/x.sock:1", {"samples_per_s": 1.0, "queue": 0, "step": 0, "state": "serving"})
+    with pytest.raises(ValueRefused, match="bad_announcement"):
+        decode_announcement(value, b"p" * 32, 0, time.time() + 60)
