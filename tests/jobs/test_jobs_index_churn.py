@@ -57,3 +57,35 @@ async def test_jobs_no_longer_listed_are_forgotten() -> None:
         assert known <= 2 * SUBMITTERS, f"{known} jobs known after {ROUNDS} rounds; the index lists {SUBMITTERS}"
     finally:
         await node.stop()
+
+
+def list_ids(node: DHTNode, submitter: Identity, job_ids: list[bytes]) -> None:
+    record = sign_record(submitter, index_key(), submitter.peer_id, encode_index(job_ids), time.time() + 90)
+    node.storage.put(record, submitter.peer_id, time.time())
+
+
+async def test_an_honest_new_job_is_learned_however_many_ids_strangers_list() -> None:
+    """Steps: eight stranger identities each list 63 made-up ids and, newest, the id of an honest
+    job they copied from the index; then the honest submitter's entry and spec appear; the daemon
+    reads the index three times (16 lookups each). Expected: the honest job is learned. On the old
+    code the strangers' entries (read first) spent every lookup of every read on made-up ids, and a
+    stranger listing the honest id cached it as a miss for `miss_ttl_s`, whoever listed it next."""
+    identity = Identity.from_seed(b"starve-daemon")
+    config = DHTConfig()
+    node = DHTNode(identity, await RpcNetwork.listen(identity, config=config), config)
+    await node.start()
+    try:
+        registry = JobRegistry(node, identity, index_limits=IndexLimits(lookups_per_refresh=16))
+        honest = Identity.generate()
+        honest_id = spec("honest").job_id(honest.public_key)
+        for _ in range(8):
+            made_up = [Identity.generate().peer_id for _ in range(63)]
+            list_ids(node, Identity.generate(), [*made_up, honest_id])
+        await registry.refresh()
+        assert publish(node, honest, "honest") == honest_id
+        for _ in range(3):
+            await registry.refresh()
+        assert honest_id in registry.jobs, f"not learned; {len(registry.misses)} misses cached"
+        assert honest_id in registry.listed
+    finally:
+        await node.stop()
