@@ -222,8 +222,9 @@ def decode_end(value: bytes, steps: int) -> JobEnd:
         raise ValueRefused("bad_job_end", f"step {step!r} is not in 0..{steps}")
     if not _is_real(at):
         raise ValueRefused("bad_job_end", f"at {at!r} is not a time")
-    if not isinstance(by, str) or len(by) > MAX_BY_CHARS:
-        raise ValueRefused("bad_job_end", f"by is not a string of at most {MAX_BY_CHARS} characters")
+    if not isinstance(by, str) or len(by) > MAX_BY_CHARS or not by.isprintable():
+        # printable: `by` reaches every serving daemon's log and other users' terminals
+        raise ValueRefused("bad_job_end", f"by is not printable text of at most {MAX_BY_CHARS} characters")
     return JobEnd(state, step, float(at), by)
 
 
