@@ -459,6 +459,11 @@ class JobsSection:
         300.0, _float_kind(0.0),
         "how long a listed job id whose spec was not found (or not valid) is not looked up again",
     )
+    index_forget_after_s: float = setting(
+        600.0, _float_kind(0.0),
+        "how long a job learned from the jobs index may be missing from it before this daemon forgets it "
+        "(learned again if listed again), so fresh ids listed at every read cannot grow the known jobs for ever",
+    )
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,7 @@ class Daemon:
             self.dht, self.identity, accept_from=cfg.jobs.accept_jobs_from,
             glob_limits=GlobLimits(max_files=cfg.jobs.data_max_files, max_entries=cfg.jobs.data_max_entries),
             index_limits=IndexLimits(cfg.jobs.max_jobs_per_submitter, cfg.jobs.index_lookups_per_refresh,
-                                     cfg.jobs.index_miss_ttl_s),
+                                     cfg.jobs.index_miss_ttl_s, cfg.jobs.index_forget_after_s),
             values=values, prober=Prober(self.pool, self.identity.peer_id))
         closers.append(("job announcements", self.job_registry.withdraw))
         directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s, values)

@@ -36,6 +36,8 @@ import msgpack
 
 from swarmd.dht import dht_key
 from swarmd.job import JobSpec, SpecError
+from transport.errors import LocalProtocolError
+from transport.pool import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +149,17 @@ def _unpack(value: bytes, reason: str, *, max_len: int, arrays: int, maps: int) 
 
 
 def valid_addr(addr: Any) -> bool:
-    """`host:port` with a non-empty host of printable ASCII and a port in 1..65535."""
+    """TCP `host:port` (never `unix:`) with a non-empty host of printable ASCII that the resolver
+    accepts (no empty or over-long label) and a port in 1..65535."""
     if not isinstance(addr, str) or not 3 <= len(addr) <= MAX_ADDR_CHARS or not addr.isascii():
         return False
     host, sep, port = addr.rpartition(":")
-    return bool(sep and host and host.isprintable() and " " not in host and port.isdigit()
-                and 1 <= int(port) <= 65535)
+    if not (sep and host and host.isprintable() and " " not in host and port.isdigit() and 1 <= int(port) <= 65535):
+        return False
+    try:  # a name the resolver cannot encode (`a..b`) would make every dial of it raise UnicodeError
+        return isinstance(parse_address(addr), tuple)  # and `unix:/path` is a socket on our own host
+    except LocalProtocolError:
+        return False
 
 
 def decode_announcement(value: bytes, peer_id: bytes, stage: int, expires: float) -> StageAnnouncement:
@@ -215,8 +222,9 @@ def decode_end(value: bytes, steps: int) -> JobEnd:
         raise ValueRefused("bad_job_end", f"step {step!r} is not in 0..{steps}")
     if not _is_real(at):
         raise ValueRefused("bad_job_end", f"at {at!r} is not a time")
-    if not isinstance(by, str) or len(by) > MAX_BY_CHARS:
-        raise ValueRefused("bad_job_end", f"by is not a string of at most {MAX_BY_CHARS} characters")
+    if not isinstance(by, str) or len(by) > MAX_BY_CHARS or not by.isprintable():
+        # printable: `by` reaches every serving daemon's log and other users' terminals
+        raise ValueRefused("bad_job_end", f"by is not printable text of at most {MAX_BY_CHARS} characters")
     return JobEnd(state, step, float(at), by)
 
 

@@ -24,7 +24,7 @@ def parse_address(addr: Address) -> tuple[str, int] | str:
     """("host", port) for TCP or "unix:/path"; accepts "host:port" and "[v6]:port" strings."""
     if isinstance(addr, tuple):
         host, port = addr
-        return str(host), int(port)
+        return _resolvable(str(host), repr(addr)), int(port)
     if not isinstance(addr, str):
         raise LocalProtocolError(f"an address is 'host:port', (host, port) or 'unix:/path', got {addr!r}")
     if addr.startswith("unix:"):
@@ -32,9 +32,23 @@ def parse_address(addr: Address) -> tuple[str, int] | str:
             raise LocalProtocolError("unix: address without a path")
         return addr
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise LocalProtocolError(f"address {addr!r} is not host:port")
-    return host.strip("[]"), int(port)
+    if not sep or not port.isascii() or not port.isdigit() or not host or not 0 < int(port) < 65536:
+        raise LocalProtocolError(f"address {addr!r} is not host:port (a port in 1..65535)")
+    return _resolvable(host.strip("[]"), addr), int(port)
+
+
+def _resolvable(host: str, addr: str) -> str:
+    """`host`, if the resolver can encode it. Addresses come from strangers (DHT contacts, stage
+    announcements), and `getaddrinfo` refuses a name with an empty or over-long label (`a..b`) by
+    raising UnicodeError (a NUL in it: ValueError), which no caller expects of a dial: one such
+    contact made every DHT lookup that met it raise. Here it is refused as the bad address it is."""
+    try:
+        if "\0" in host:
+            raise UnicodeError("NUL in a host name")
+        host.encode("idna")
+    except UnicodeError:
+        raise LocalProtocolError(f"address {addr!r}: the host is not a name the resolver accepts") from None
+    return host
 
 
 class Pool:

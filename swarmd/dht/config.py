@@ -77,6 +77,12 @@ class DHTConfig:
     #: What "one source network" is for the two limits above: the prefix of the address a store's
     #: connection came from (never a claimed address). An IPv6 /64 is one host's, and a site's
     #: /48 holds 65536 of them, so IPv6 sources are /48s.
+    #: Share of the node-wide limits (`max_keys` records, `max_total_bytes`) one source network may
+    #: hold, over every key together: the per-key quota alone let one address fill all 65,536 key
+    #: slots with unsigned open records under fresh keys in 1,024 RPCs, and the node then refused every
+    #: new job's announcements. An eighth makes filling a node take eight networks. The node's own
+    #: records (`LOCAL_SOURCE`) are not held to it.
+    max_source_share: float = 0.125
     source_ipv4_prefix_bits: int = 24
     source_ipv6_prefix_bits: int = 48
     #: Distinct keys one node holds (records for ~1000 jobs x stages, with room to spare).
@@ -129,5 +135,7 @@ class DHTConfig:
         if not self.max_announce_ttl > self.refresh_interval:
             raise ValueError(f"max_announce_ttl ({self.max_announce_ttl:g} s) must exceed refresh_interval "
                              f"({self.refresh_interval:g} s), or storers drop announcements between refreshes")
+        if not 0.0 < self.max_source_share <= 1.0:
+            raise ValueError("max_source_share must be in (0, 1]: the share of a node one network may hold")
         if self.max_subkeys_per_source < 1:
             raise ValueError("max_subkeys_per_source must be at least 1, or no network could store anything")

@@ -59,9 +59,15 @@ def _list(meta: Any, name: str, max_len: int) -> list:
 
 def parse_addr(meta: Any, config: DHTConfig) -> str | None:
     addr = _field(meta, "addr", str, optional=True)
-    if addr is not None and (not addr or len(addr) > config.max_address_bytes or ":" not in addr):
+    if addr is not None and not _peer_address(addr, config):
         raise DHTProtocolError("field 'addr' is not a host:port string within the size limit")
     return addr
+
+
+def _peer_address(addr: str, config: DHTConfig) -> bool:
+    """A peer's address is TCP `host:port`: never `unix:/path`, which the transport would dial on
+    this host (a stranger's contact naming the daemon's own control socket or docker.sock)."""
+    return 0 < len(addr) <= config.max_address_bytes and ":" in addr and not addr.startswith("unix:")
 
 
 def with_addr(meta: dict, addr: str | None) -> dict:
@@ -107,9 +113,8 @@ def parse_contacts(meta: Any, config: DHTConfig) -> list[tuple[bytes, str]]:
     out = []
     for item in raw:
         if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], bytes)
-                or len(item[0]) != ID_BYTES or not isinstance(item[1], str)
-                or not 0 < len(item[1]) <= config.max_address_bytes):
-            raise DHTProtocolError("a contact is [32-byte id, address string]")
+                or len(item[0]) != ID_BYTES or not isinstance(item[1], str) or not _peer_address(item[1], config)):
+            raise DHTProtocolError("a contact is [32-byte id, host:port address string]")
         out.append((item[0], item[1]))
     return out
 

@@ -17,6 +17,9 @@ which costs an attacker an address, not a key pair:
   victim is that source's most junior subkey (latest first store), so a record that has been
   refreshed since it arrived outlives every newer one of its source.
 A refresh keeps a subkey's seniority; its source becomes the refresher's.
+Over every key together, one source holds at most `max_source_share` of the node's records
+(`max_keys`) and bytes (`max_total_bytes`): else one address filled every key slot of a node with
+fresh keys and the node refused every new job's announcements.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Storage:
         self._sources: dict[bytes, Counter[str]] = {}
         self._heap: list[tuple[float, bytes, bytes]] = []
         self._per_origin: dict[bytes, int] = defaultdict(int)
+        self._source_records: Counter[str] = Counter()
+        self._source_bytes: Counter[str] = Counter()
         self.total_bytes = 0
 
     def __len__(self) -> int:
@@ -94,6 +99,7 @@ class Storage:
         grow = record.size() - (old.record.size() if old else 0)
         if self.total_bytes + grow > cfg.max_total_bytes:
             raise RecordRejected("storage_full", "byte limit reached")
+        self._check_share(record, old, source)
         victim = self._room_for(record.key, source, now) if old is None else None
         if victim is not None:
             self._drop(record.key, victim)
@@ -103,6 +109,8 @@ class Storage:
         self._keys.setdefault(record.key, {})[record.subkey] = entry
         self._sources.setdefault(record.key, Counter())[source] += 1
         self._per_origin[origin] += 1
+        self._source_records[source] += 1
+        self._source_bytes[source] += record.size()
         self.total_bytes += record.size()
         heapq.heappush(self._heap, (expires, record.key, record.subkey))
 
@@ -113,6 +121,18 @@ class Storage:
             self._drop(key, subkey)
             return None
         return entry
+
+    def _check_share(self, record: Record, old: _Entry | None, source: str) -> None:
+        """Refuse a store that would take `source` past its share of the node (`max_source_share`)."""
+        if source == LOCAL_SOURCE:
+            return
+        cfg = self._config
+        same = old is not None and old.source == source
+        records = self._source_records[source] + (0 if same else 1)
+        size = self._source_bytes[source] + record.size() - (old.record.size() if same else 0)
+        if records > cfg.max_source_share * cfg.max_keys or size > cfg.max_source_share * cfg.max_total_bytes:
+            raise RecordRejected("source_quota", f"this network holds {self._source_records[source]} records "
+                                                 f"({self._source_bytes[source]} bytes), its share of this node")
 
     def _room_for(self, key: bytes, source: str, now: float) -> bytes | None:
         """Check a new subkey from `source` may enter `key`; the subkey to evict for it, if any."""
@@ -191,6 +211,10 @@ class Storage:
         self._per_origin[entry.origin] -= 1
         if not self._per_origin[entry.origin]:
             del self._per_origin[entry.origin]
+        for use, amount in ((self._source_records, 1), (self._source_bytes, entry.record.size())):
+            use[entry.source] -= amount
+            if not use[entry.source]:
+                del use[entry.source]
         counts = self._sources[key]
         counts[entry.source] -= 1
         if not counts[entry.source]:

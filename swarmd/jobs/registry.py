@@ -17,7 +17,9 @@ schemas, and the one place they are decoded, are in `swarmd.values`):
 
 Reading the index is bounded (`IndexLimits`, from `[jobs]`): a submitter's entry lists at most
 `max_ids_per_submitter` ids; one refresh looks up at most `lookups_per_refresh` specs and as many
-end records; an id whose spec was not found (or not valid) is not looked up again for `miss_ttl_s`.
+end records; an id whose spec was not found (or not valid) is not looked up again for `miss_ttl_s`;
+a learned job the index has not listed for `forget_after_s` is forgotten, so what a daemon knows
+is bounded by what the index holds, not by how many ids it ever listed.
 Eight index entries listing 512 made-up ids each used to make an idle daemon run ~51 lookups a
 second for ever.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +66,11 @@ class IndexLimits:
     max_ids_per_submitter: int = 64
     lookups_per_refresh: int = 16
     miss_ttl_s: float = 300.0
+    #: A job learned from the index and missing from it this long is forgotten (learned again,
+    #: one lookup, if it comes back). Without it a stranger listing fresh ids at every refresh grew
+    #: `jobs` by `lookups_per_refresh` per refresh for ever; long enough that a few failed reads
+    #: of the index forget nothing.
+    forget_after_s: float = 600.0
 
 
 class JobRequestError(LocalError):
@@ -124,12 +132,13 @@ class JobRegistry:
         self.accept_from = accept_from
         self.glob_limits = glob_limits
         self.index_limits = index_limits
-        self.misses: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # job id -> retry at
+        self.misses: collections.OrderedDict[tuple[bytes, bytes], float] = collections.OrderedDict()  # (job id, submitter) -> retry at
         self.jobs: dict[bytes, Job] = {}
         self.refused: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # job id -> submitter
         self._announcements: list[Any] = []
         self._index = None
         self.listed: set[bytes] = set()  # job ids in the `jobs` index at the last refresh
+        self._unlisted: dict[bytes, float] = {}  # learned job id -> when the index stopped listing it
         self._forgeries: collections.OrderedDict[tuple[bytes, bytes], None] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ submit
@@ -220,17 +229,19 @@ class JobRegistry:
         to its id is ignored. `listed` becomes the ids the index holds now: a job missing from it is
         gone or cancelled. Ids left over by the lookup budget are looked up at the next refresh."""
         listed = {j.job_id for j in self.jobs.values() if j.local}
-        budget = self.index_limits.lookups_per_refresh
         now = time.monotonic()
+        entries = []
         for entry in await self.values.index(self.index_limits.max_ids_per_submitter, latest=latest):
-            accepted = self.accepts(entry.submitter)
-            for job_id in entry.job_ids:
-                if not accepted:
+            if self.accepts(entry.submitter):
+                entries.append(entry)
+            else:
+                for job_id in entry.job_ids:
                     self._refuse(job_id, entry.submitter)
-                    continue
-                if job_id not in self.jobs and budget > 0 and self.misses.get(job_id, 0.0) <= now:
-                    budget -= 1
-                    await self._learn(job_id, entry.submitter)
+        await self._learn_fairly([[(j, e.submitter) for j in reversed(e.job_ids)
+                                   if j not in self.jobs and self.misses.get((j, e.submitter), 0.0) <= now]
+                                  for e in entries])
+        for entry in entries:
+            for job_id in entry.job_ids:
                 known = self.jobs.get(job_id)
                 if known is not None and known.submitter == entry.submitter:
                     listed.add(job_id)
@@ -239,6 +250,30 @@ class JobRegistry:
         for job in sorted(unended, key=lambda j: j.end_checked_at)[:self.index_limits.lookups_per_refresh]:
             await self.check_end(job)
         self.listed = listed
+        self._forget_unlisted(listed, now)
+
+    def _forget_unlisted(self, listed: set[bytes], now: float) -> None:
+        """Forget the jobs learned from the index that it has not listed for `forget_after_s`;
+        one this daemon trains (data attached by `job.train`) is kept while its trainers may run."""
+        for job_id in listed:
+            self._unlisted.pop(job_id, None)
+        for job_id in [j for j, job in self.jobs.items() if not job.local and job.sources is None and j not in listed]:
+            if now - self._unlisted.setdefault(job_id, now) >= self.index_limits.forget_after_s:
+                del self.jobs[job_id], self._unlisted[job_id]
+
+    async def _learn_fairly(self, wanted: list[list[tuple[bytes, bytes]]]) -> None:
+        """Spend the read's `lookups_per_refresh` one submitter at a time, in a random order, each
+        one's newest ids first: else entries that come first (a stranger's, listing made-up ids)
+        took every lookup of every read and an honest new job was never learned."""
+        random.shuffle(wanted)
+        budget = self.index_limits.lookups_per_refresh
+        for depth in range(max(map(len, wanted), default=0)):
+            for queue in wanted:
+                if budget <= 0:
+                    return
+                if depth < len(queue) and queue[depth][0] not in self.jobs:
+                    budget -= 1
+                    await self._learn(*queue[depth])
 
     def accepts(self, submitter: bytes) -> bool:
         """Whether `jobs.accept_jobs_from` admits jobs signed by this public key."""
@@ -253,13 +288,13 @@ class JobRegistry:
 
     async def _learn(self, job_id: bytes, submitter: bytes) -> None:
         published = await self.values.spec(job_id, submitter)
-        if published is None:
-            self.misses[job_id] = time.monotonic() + self.index_limits.miss_ttl_s
-            self.misses.move_to_end(job_id)
+        if published is None:  # a miss of this submitter's only: another may list the same id honestly
+            self.misses[job_id, submitter] = time.monotonic() + self.index_limits.miss_ttl_s
+            self.misses.move_to_end((job_id, submitter))
             while len(self.misses) > MAX_MISSES_KEPT:
                 self.misses.popitem(last=False)
             return
-        self.misses.pop(job_id, None)
+        self.misses.pop((job_id, submitter), None)
         self.jobs[job_id] = Job(job_id, published.spec, submitter, local=False)
 
     async def find(self, name_or_id: Any) -> Job:
