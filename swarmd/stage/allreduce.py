@@ -101,6 +101,15 @@ class RoundBox:
     def gathered_ready(self) -> bool:
         return all(self.gathered[s] == hi - lo for s, (lo, hi) in enumerate(self.bounds))
 
+    def late_members(self) -> list[int]:
+        """Members whose parts of the current phase have not all arrived (after a timeout: the
+        stragglers that held the round)."""
+        lo, hi = self.bounds[self.me]
+        if not self.reduced_ready():
+            return [s for s in range(len(self.members))
+                    if s != self.me and (self.received[s] < hi - lo or s not in self.contributions)]
+        return [s for s, (a, b) in enumerate(self.bounds) if s != self.me and self.gathered[s] < b - a]
+
     def fail(self, reason: str) -> None:
         self.failure = reason
         self.changed.set()

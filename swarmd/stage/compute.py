@@ -69,11 +69,13 @@ class Work:
     mb: int
     x: torch.Tensor
     other: torch.Tensor | None  # grad_y for backward, targets for forward_backward
-    accumulate: bool  # False for a repeated mb: compute, answer, add nothing
+    accumulate: bool  # the stage core admitted it (StageCore.admit); False: compute, answer, add nothing
     future: asyncio.Future
+    epoch: int = 0  # the core's state epoch at admission: a state replaced since then adds nothing
     solo: bool = False  # never batched (an architecture without per-sample losses)
     started: bool = False  # set on the loop when a worker takes it
-    computed: bool = False  # set in the compute thread once its gradient is in the accumulator
+    added: bool = False  # set in the compute thread once its gradient is in the accumulator
+    abandoned: bool = False  # its caller left: a worker that has not taken it yet skips it
 
     @property
     def key(self) -> tuple:
@@ -100,9 +102,9 @@ class Lane:
 
 class StageCompute:
     def __init__(self, stage: Stage, params: list[torch.nn.Parameter], accumulator: Accumulator,
-                 guard: ParamGuard, committed: Callable[[], int], lane: Lane) -> None:
+                 guard: ParamGuard, committed: Callable[[], int], epoch: Callable[[], int], lane: Lane) -> None:
         self.stage, self.params, self.accumulator = stage, params, accumulator
-        self.guard, self.committed, self.lane = guard, committed, lane
+        self.guard, self.committed, self.epoch, self.lane = guard, committed, epoch, lane
 
     def run(self, batch: list[Work]) -> list[Answer]:
         """Compute one batch (all of one `Work.key`); raises StaleStep if its step is committed."""
@@ -111,6 +113,9 @@ class StageCompute:
             committed = self.committed()
             if head.step < committed:
                 raise StaleStep(head.step, committed)
+            if head.accumulate and head.epoch != self.epoch():
+                for w in batch:  # admitted before the state was replaced: nothing it held counts now
+                    w.accumulate = False
             with self.lane.stream():
                 xs = self.lane.upload([w.x for w in batch])
                 others = self.lane.upload([w.other for w in batch]) if head.other is not None else []
@@ -160,7 +165,7 @@ class StageCompute:
         if head.accumulate:
             self.accumulator.add(head.step, [w.mb for w in batch], sum(sizes), list(grads[: len(self.params)]))
             for w in batch:
-                w.computed = True
+                w.added = True
         return None if self.stage.is_first else grads[-1]
 
     def _answers(self, grad_x: torch.Tensor | None, sizes: list[int], losses: list) -> list[Answer]:

@@ -49,6 +49,16 @@ class StageLimits:
     # a mate ahead can be hidden for a moment (a directory read that missed it, a poll that timed
     # out), and a peer that merely lags must download its state, never jump past the updates.
     resume_after_s: float = 10.0
+    # A peer invited into a round by a leader with a smaller id does not lead one itself for this
+    # long, even where its own view misses that leader (asymmetric views): otherwise two leaders
+    # that each see a different member set refuse each other's rounds on every poll.
+    defer_s: float = 1.0
+    # A leader whose rounds failed here twice in a row is refused for this long, doubled per further
+    # failure up to bench_max_s (it may see us but not be reachable from us: its rounds cannot
+    # finish); a member whose parts did not arrive in time likewise stays out of this peer's rounds
+    # (a straggler catches up by download instead of holding every round hostage).
+    bench_s: float = 1.0
+    bench_max_s: float = 60.0
     # One all-reduce round (reduce + gather); a mate silent this long is excluded and the round
     # restarts with the others. Must cover shipping the whole gradient over the slowest link.
     round_timeout_s: float = 60.0
@@ -70,6 +80,9 @@ class StageLimits:
     clip_iterations: int = 3
     # centered_clip: a peer further than this many τ from the aggregate is reported an outlier.
     outlier_factor: float = 2.0
+    # Members named in one round (its invitation and parts): the member list is read from a mate
+    # before anything is allocated from it; a stage of more peers than this runs no round at all.
+    max_round_members: int = 256
     # Rounds a peer buffers parts for at once (its own plus one a mate started first).
     max_open_rounds: int = 2
     # Ids of rounds closed here (finished, failed, aborted) remembered so that their late parts are
