@@ -14,13 +14,14 @@ The invariants (docs/stage-rpc.md) hold by construction:
   microbatch ids are pairwise disjoint; a member whose sum overlaps a kept one is left out, and
   if the kept ones do not cover the step the round fails and the left-out members clear their
   sums (their ids become `missing` and are re-sent). A call is not accumulated when this peer or a
-  mate of its lineage already holds or computes the microbatch (`admit`), so overlaps are rare.
+  mate of its lineage already holds the microbatch (`admit`), so overlaps are rare.
 - I2 agreement. Every peer carries a digest of its state, chained on every commit from the
   round's id, shown with its progress. Rounds only gather members of one (step, digest); a peer
   whose digest is not the one most of its visible mates at its step hold downloads (`decide`).
 - I3 progress. Claims are released when their compute settles without adding, whoever waited;
-  a leader whose rounds fail is benched for a growing while, and so is a member whose parts did
-  not arrive; a smaller leader that invited us recently is deferred to.
+  a mate whose round parts did not arrive in time (a straggler, or one we cannot hear) is
+  benched for a growing while, as member and as leader; a smaller leader that invited us
+  recently is deferred to.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Admission(Enum):
 
     ACCUMULATE = "accumulate"  # new to the stage as far as this peer can see: compute and add
     REPEAT = "repeat"  # this peer holds or computes it already: answer, add nothing
-    HELD_BY_MATE = "held_by_mate"  # a mate of this peer's lineage holds or computes it: same
+    HELD_BY_MATE = "held_by_mate"  # a mate of this peer's lineage holds it (its last poll): same
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,7 @@ class StageCore:
     _slow: dict[bytes, float] = field(default_factory=dict)  # mates whose polls time out, since
     _seen: set[int] = field(default_factory=set)
     _seen_step: int = -1
-    _leaders: dict[bytes, _Bench] = field(default_factory=dict)
-    _members: dict[bytes, _Bench] = field(default_factory=dict)
+    _bench: dict[bytes, _Bench] = field(default_factory=dict)  # mates whose round parts came late
     _defer_until: float = 0.0
     _behind_since: tuple[int, float] | None = None
 
@@ -200,7 +200,10 @@ class StageCore:
         if mb in claims:
             self._repeats[step] = self._repeats.get(step, 0) + 1
             return Admission.REPEAT
-        if step == self.step and any(mb in m.ids or mb in m.claimed for m in self._lineage(step, shielded=True)):
+        # Only what a mate *holds* counts: a claim may sit behind a long queue or a hung compute, and
+        # an id it blocked here would stay uncovered for as long (exactness does not rest on this:
+        # plan_round sums any id once; this only saves the wasted copy).
+        if step == self.step and any(mb in m.ids for m in self._lineage(step, shielded=True)):
             self._repeats[step] = self._repeats.get(step, 0) + 1
             return Admission.HELD_BY_MATE
         claims.add(mb)
@@ -275,7 +278,7 @@ class StageCore:
             holders = sorted((m for m in same if m.digest == agreed), key=lambda m: m.peer_id)
             return Download(tuple((m.peer_id, m.addr) for m in holders),
                             f"its mates at step {self.step} agree on another state")
-        lineage = [m for m in self._lineage(self.step) if not self._benched(self._members, m.peer_id, now)]
+        lineage = [m for m in self._lineage(self.step) if not self._benched(m.peer_id, now)]
         if not self._coverage(now, held, lineage):
             return None
         members = tuple(sorted([(self.peer_id, self.address)] + [(m.peer_id, m.addr) for m in lineage]))
@@ -316,8 +319,8 @@ class StageCore:
             return f"round for step {step}, this peer is at step {self.step}"
         if digest != self.digest:
             return f"round for another state of step {step} (digest {digest.hex()[:8]}, this peer {self.digest.hex()[:8]})"
-        if self._benched(self._leaders, leader, now):
-            return "this peer's recent rounds under that leader failed; it is benched here for a while"
+        if self._benched(leader, now):
+            return "that leader's round parts did not reach this peer in time lately; it is benched here"
         if leader < self.peer_id:
             self._defer_until = now + self.config.defer_s
         return None
@@ -328,14 +331,15 @@ class StageCore:
         self.round_id = round_id
 
     def round_failed(self, now: float, round_id: bytes, leader: bytes, late: Iterable[bytes] = ()) -> None:
-        """A round ended without a commit here; `late` are members whose parts did not arrive."""
+        """A round ended without a commit here; `late` are members whose parts did not arrive in
+        time (a straggler, or a mate we cannot hear: asymmetric links). They are benched: left out
+        of the rounds this peer leads, their invitations refused, for a growing while; they catch
+        up by download. An abort benches nobody (a refused invitation is not a fault)."""
         if self.round_id == round_id:
             self.round_id = None
-        if leader != self.peer_id:
-            self._bench(self._leaders, leader, now)
         for member in late:
             if member != self.peer_id:
-                self._bench(self._members, member, now)
+                self._add_bench(member, now)
 
     def left_out(self, step: int, ids: Iterable[int]) -> None:
         """A conflicting round left this peer's sum out and it cleared it: the ids are free here."""
@@ -350,9 +354,8 @@ class StageCore:
         self.digest = next_digest(self.digest, step, round_id)
         if self.round_id == round_id:
             self.round_id = None
-        self._leaders.pop(leader, None)
         for member in members:
-            self._members.pop(member, None)
+            self._bench.pop(member, None)
         self._forget_through(step)
 
     def replaced(self, step: int, digest: bytes) -> None:
@@ -370,17 +373,16 @@ class StageCore:
                 del table[s]
         self.missing, self.uncovered = [], []
 
-    def _bench(self, table: dict[bytes, _Bench], peer: bytes, now: float) -> None:
-        bench = table.setdefault(peer, _Bench())
+    def _add_bench(self, peer: bytes, now: float) -> None:
+        bench = self._bench.setdefault(peer, _Bench())
         bench.failures += 1
         # The first failure is free (one lost message, one abort race); then a growing bench.
         if bench.failures > 1:
             span = min(self.config.bench_max_s, self.config.bench_s * 2 ** (bench.failures - 2))
             bench.until = now + span
 
-    @staticmethod
-    def _benched(table: dict[bytes, _Bench], peer: bytes, now: float) -> bool:
-        bench = table.get(peer)
+    def _benched(self, peer: bytes, now: float) -> bool:
+        bench = self._bench.get(peer)
         return bench is not None and now < bench.until
 
     # ------------------------------------------------------------------ a stage that lost steps

@@ -11,6 +11,7 @@ init; only then does it accept work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections import deque
@@ -527,6 +528,32 @@ class StageService:
             "last_step": last, "round_failure": self.sync.last_failure,
             "skipped": [list(jump) for jump in self.skipped],
         }, codec="none")
+
+    async def wait_commit(self, req: Request) -> Message:
+        """`stage.wait_commit {step, timeout_s}`: answered once this peer has committed past `step`
+        (or at the timeout, bounded by max_wait_s and the call's deadline), with the step, digest and
+        last record: a trainer waits on one peer per stage instead of polling every peer."""
+        step, timeout_s = req.meta.get("step"), req.meta.get("timeout_s")
+        if type(step) is not int or isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not timeout_s >= 0:
+            raise bad_input("stage.wait_commit needs int step and timeout_s >= 0")
+        loop = asyncio.get_running_loop()
+        until = loop.time() + min(float(timeout_s), self.limits.max_wait_s)
+        if req.deadline is not None:
+            until = min(until, req.deadline - min(0.25, max(0.0, req.deadline - loop.time()) / 10))
+        if self.committed <= step and until > loop.time():
+            if self._waiting >= self.limits.max_waiting:
+                raise busy(f"{self._waiting} calls already wait for a commit (max_waiting)")
+            self._waiting += 1
+            try:
+                while self.committed <= step and until > loop.time():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout_at(until):
+                            await self._committed_event.wait()
+            finally:
+                self._waiting -= 1
+        last = asdict(self.records[-1]) if self.records else None
+        return Message({"step": self.committed, "digest": self.digest, "last_step": last}, codec="none")
 
     async def state_stream(self, req: Request) -> AsyncIterator[Message]:
         if self.state != Phase.SERVING:

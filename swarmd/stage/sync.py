@@ -157,6 +157,9 @@ class StageSync:
         for r in failed:
             if not isinstance(r, (TransportError, RpcError, TimeoutError)):
                 raise r
+        silent = [p for (p, _), r in zip(others, results) if isinstance(r, (DeadlineExceeded, TimeoutError))]
+        if silent:  # a member that cannot answer an invitation in time is late, like late parts
+            self.core.round_failed(_now(), round_id, self.core.peer_id, silent)
         reason = self.core.invited(_now(), self.core.peer_id, lead.step, lead.digest) if not failed else "refused"
         if reason is not None:
             await self._abort(round_id, others)
