@@ -194,7 +194,7 @@ class StageCore:
     def step_ids(self, step: int) -> frozenset[int]:
         return frozenset(range(step * self.config.microbatches, (step + 1) * self.config.microbatches))
 
-    def admit(self, step: int, mb: int) -> Admission:
+    def admit(self, now: float, step: int, mb: int) -> Admission:
         """A call that may add `mb`'s gradient to `step` arrived (its step is accepted)."""
         claims = self._claims.setdefault(step, set())
         if mb in claims:
@@ -203,7 +203,9 @@ class StageCore:
         # Only what a mate *holds* counts: a claim may sit behind a long queue or a hung compute, and
         # an id it blocked here would stay uncovered for as long (exactness does not rest on this:
         # plan_round sums any id once; this only saves the wasted copy).
-        if step == self.step and any(mb in m.ids for m in self._lineage(step, shielded=True)):
+        # A benched mate's copy does not count either: no round of ours will include it.
+        if step == self.step and any(mb in m.ids for m in self._lineage(step, shielded=True)
+                                     if not self._benched(m.peer_id, now)):
             self._repeats[step] = self._repeats.get(step, 0) + 1
             return Admission.HELD_BY_MATE
         claims.add(mb)
@@ -337,6 +339,10 @@ class StageCore:
         up by download. An abort benches nobody (a refused invitation is not a fault)."""
         if self.round_id == round_id:
             self.round_id = None
+        self.note_late(now, late)
+
+    def note_late(self, now: float, late: Iterable[bytes]) -> None:
+        """Mates whose round parts (or answers to an invitation) did not come in time."""
         for member in late:
             if member != self.peer_id:
                 self._add_bench(member, now)

@@ -323,7 +323,7 @@ class StageService:
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         loop = asyncio.get_running_loop()
-        admission = self.core.admit(step, mb) if kind != FORWARD else Admission.REPEAT
+        admission = self.core.admit(loop.time(), step, mb) if kind != FORWARD else Admission.REPEAT
         # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
         work = Work(kind, step, mb, x, other, admission == Admission.ACCUMULATE, loop.create_future(),

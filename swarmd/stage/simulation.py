@@ -329,7 +329,7 @@ class StageSimulation:
             return answer("not_ready")
         if peer.free_at - self.now > 4 * self.s.compute_s[i] + self.s.trainer_timeout_s:
             return answer("busy")  # the executor's bounded queue (queue_size)
-        admission = core.admit(step, mb)
+        admission = core.admit(self.now, step, mb)
         self._count(f"admit: {admission.value}")
         epoch = core.epoch
         start = max(self.now, peer.free_at)

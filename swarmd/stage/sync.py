@@ -200,7 +200,7 @@ class StageSync:
         host = self.host
         taken = await host.in_aux(host.accumulator.take, step)
         box: RoundBox | None = None
-        outcome, late = "failed", []
+        outcome, late, sending = "failed", [], False
         try:
             box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True)
             flat = await host.in_aux(host.flatten, taken.grads)
@@ -209,8 +209,10 @@ class StageSync:
                 lo, hi = box.bounds[me]
                 box.put_part(me, 0, flat[lo:hi], mine)
                 head = {"ids": encode_ranges(mine.ids), "samples": mine.samples}
+                sending = True
                 await _unless_failed(box, self._send(round_id, step, members, "stage.sync.reduce",
                                                      lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head))
+                sending = False
                 await box.wait(box.reduced_ready)
                 plan = plan_round([(c.ids, c.samples) for c in (box.contributions[i] for i in range(len(ids)))],
                                   self.core.step_ids(step))
@@ -221,8 +223,10 @@ class StageSync:
                                       f"microbatches ({len(plan.left_out)} members' sums overlap)")
                 reduced, outliers = await host.in_aux(_reduce_shard, box, host.limits, plan.kept)
                 box.put_gather(me, 0, reduced, outliers)
+                sending = True
                 await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
                                                      lambda j: reduced, {"outliers": outliers}))
+                sending = False
                 await box.wait(box.gathered_ready)
             flagged = tuple(sorted(ids[i].hex() for i in box.outliers))
             if flagged:
@@ -231,10 +235,12 @@ class StageSync:
             outcome = "committed"
         except (RoundFailed, TransportError, RpcError, TimeoutError) as exc:
             self.last_failure = f"step {step}: {type(exc).__name__}: {exc}"
-            if isinstance(exc, TimeoutError) and box is not None:
+            timed_out = isinstance(exc, TimeoutError)
+            if timed_out and box is not None and not sending:
                 late = [ids[i] for i in box.late_members()]  # stragglers: left out of this peer's next rounds
             log.info("stage %d round %s failed: %s", host.stage_index, round_id.hex()[:8], exc)
-            await self._abort(round_id, [m for m in members if m[0] != self.core.peer_id])
+            # Timed out while its own parts were still leaving: this peer is the straggler, and says so.
+            await self._abort(round_id, [m for m in members if m[0] != self.core.peer_id], timed_out and sending)
         finally:
             self.mailbox.drop(round_id)
             await asyncio.shield(self._settle(round_id, step, ids, late, outcome))
@@ -277,10 +283,13 @@ class StageSync:
             first = failed.exceptions[0]
             raise RoundFailed(f"{method} to a member failed: {type(first).__name__}: {first}") from None
 
-    async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]]) -> None:
+    async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]], straggler: bool = False) -> None:
         # Closed here first: parts members already sent must not open a box for it (allreduce.Mailbox).
         self.mailbox.drop(round_id, "this peer aborted the round")
-        message = Message({**self.host.meta(), "round": round_id}, codec="none")
+        meta = {**self.host.meta(), "round": round_id}
+        if straggler:
+            meta["straggler"] = self.core.peer_id
+        message = Message(meta, codec="none")
         await asyncio.gather(*(self.host.pool.call(a, "stage.sync.abort", message,
                                                    timeout=self.host.limits.progress_timeout_s) for _, a in others),
                              return_exceptions=True)
@@ -319,8 +328,14 @@ class StageSync:
         return Message({}, codec="none")
 
     def abort(self, req: Request) -> Message:
-        round_id = req.meta.get("round")
+        """`stage.sync.abort`: a member left the round. One that timed out while its own parts were
+        still leaving names itself (`straggler`): it is benched here like a late member (it can
+        only bench itself, and only in rounds it is a member of here)."""
+        round_id, straggler = req.meta.get("round"), req.meta.get("straggler")
         if isinstance(round_id, bytes):
+            box = self.mailbox.get(round_id)
+            if isinstance(straggler, bytes) and box is not None and straggler in box.members:
+                self.core.note_late(_now(), [straggler])
             self.mailbox.drop(round_id, "a member aborted the round")
         return Message({}, codec="none")
 

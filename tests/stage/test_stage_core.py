@@ -39,24 +39,24 @@ def test_plan_sums_each_microbatch_once_and_leaves_the_overlap_out():
 
 def test_a_repeat_and_a_mate_held_microbatch_are_not_added_and_a_failed_compute_frees_its_claim():
     c = core(1)
-    assert c.admit(0, 0) == Admission.ACCUMULATE
-    assert c.admit(0, 0) == Admission.REPEAT and c.repeats(0) == 1
+    assert c.admit(0.0, 0, 0) == Admission.ACCUMULATE
+    assert c.admit(0.0, 0, 0) == Admission.REPEAT and c.repeats(0) == 1
     c.settled(0, 0, c.epoch, added=False)  # the compute failed (its caller may be gone): no leak
-    assert c.admit(0, 0) == Admission.ACCUMULATE
+    assert c.admit(0.0, 0, 0) == Admission.ACCUMULATE
     c.observe(0.0, [mate(2, ids={1})], [], [bytes([2]) * 4])
-    assert c.admit(0, 1) == Admission.HELD_BY_MATE
+    assert c.admit(0.0, 0, 1) == Admission.HELD_BY_MATE
     c.observe(0.1, [mate(2, ids={1}, digest=b"x" * 16)], [], [bytes([2]) * 4])
-    assert c.admit(0, 1) == Admission.ACCUMULATE  # another lineage's copy does not count
+    assert c.admit(0.0, 0, 1) == Admission.ACCUMULATE  # another lineage's copy does not count
 
 
 def test_a_settle_from_before_a_state_replacement_frees_nothing():
     c = core(1)
-    assert c.admit(0, 2) == Admission.ACCUMULATE
+    assert c.admit(0.0, 0, 2) == Admission.ACCUMULATE
     old = c.epoch
     c.replaced(0, D0)
-    assert c.admit(0, 2) == Admission.ACCUMULATE
+    assert c.admit(0.0, 0, 2) == Admission.ACCUMULATE
     c.settled(0, 2, old, added=False)
-    assert c.admit(0, 2) == Admission.REPEAT
+    assert c.admit(0.0, 0, 2) == Admission.REPEAT
 
 
 def test_the_smallest_peer_of_the_lineage_leads_once_the_step_is_covered():
@@ -136,7 +136,7 @@ def test_a_member_late_in_rounds_is_benched_for_a_growing_while():
 
 def test_a_commit_moves_the_digest_on_and_forgets_the_steps_claims():
     c = core(1)
-    c.admit(0, 1)
+    c.admit(0.0, 0, 1)
     c.round_started(b"r" * 16)
     c.committed(0.0, 0, b"r" * 16, c.peer_id, [c.peer_id])
     assert c.step == 1 and c.digest == next_digest(D0, 0, b"r" * 16) and c.round_id is None

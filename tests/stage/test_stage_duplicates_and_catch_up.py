@@ -206,7 +206,7 @@ async def test_a_non_finite_reduced_gradient_skips_the_update_but_commits(kit, c
     try:
         before = [p.detach().clone() for p in peer.service.stage.parameters()]
         poison = [torch.full_like(p, float("inf")) for p in peer.service.params]
-        assert peer.service.core.admit(0, 0) == Admission.ACCUMULATE
+        assert peer.service.core.admit(0.0, 0, 0) == Admission.ACCUMULATE
         peer.service.accumulator.add(0, [0], B, poison)
         await asyncio.gather(*(backward(kit, client, peer, 0, m) for m in (1, 2, 3)))
         await until(lambda: peer.service.records)
