@@ -62,6 +62,11 @@ class StageLimits:
     # One all-reduce round (reduce + gather); a mate silent this long is excluded and the round
     # restarts with the others. Must cover shipping the whole gradient over the slowest link.
     round_timeout_s: float = 60.0
+    # Keep the parameters of the step committed last (one more copy of them) so that a call for
+    # that step arriving after the commit (its caller timed out, retried, and the stage committed
+    # with the first copy) is still answered exactly, on those parameters, adding nothing: the
+    # stages below need its input gradient. False: such a call is answered `stale_step`.
+    replay_previous: bool = True
     # Largest tensor payload of one all-reduce message: bounded messages keep a slow link fair to
     # activations travelling on the same connection, and bound what an unknown round can make us hold.
     allreduce_chunk_bytes: int = 4 * MiB
@@ -109,6 +114,9 @@ class StageLimits:
             elif field.name == "allreduce_codec":
                 if value not in CODECS:
                     raise ValueError(f"StageLimits.allreduce_codec must be one of {CODECS}, got {value!r}")
+            elif field.name == "replay_previous":
+                if not isinstance(value, bool):
+                    raise ValueError(f"StageLimits.replay_previous must be a bool, got {value!r}")
             elif field.name == "torch_threads":
                 if value is not None and (not isinstance(value, int) or value < 1):
                     raise ValueError(f"StageLimits.torch_threads must be None or >= 1, got {value!r}")

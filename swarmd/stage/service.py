@@ -29,7 +29,7 @@ from swarmd.model import build_stage
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
-from swarmd.stage.compute import BACKWARD, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, StageCompute, Work
+from swarmd.stage.compute import BACKWARD, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous, StageCompute, Work
 from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan, StageCore, initial_digest,
                                jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
@@ -110,6 +110,8 @@ class StageService:
         # Bumped under the guard whenever the parameters are replaced (download, jump): a batch
         # admitted before that adds nothing (its claim died with the old state).
         self._state_epoch = 0
+        # The parameters of the step committed last, kept for late calls of that step (replays).
+        self._previous: Previous | None = None
 
     @property
     def state(self) -> Phase:
@@ -201,7 +203,7 @@ class StageService:
 
             lane, workers = cuda_lane(self.device), 1  # one stream per stage: one thread feeds it
         self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.opt.step_count,
-                                    lambda: self._state_epoch, lane)
+                                    lambda: self._state_epoch, lane, lambda: self._previous)
         self.executor = Executor(self.compute.run, self.limits, workers, f"stage{self.stage_index}")
 
     async def _join(self) -> None:
@@ -253,6 +255,7 @@ class StageService:
                 self.accumulator.clear()
                 self._state_digest = snapshot.digest
                 self._state_epoch += 1
+                self._previous = None
                 self._settle()
 
         await self.in_aux(apply)
@@ -294,8 +297,8 @@ class StageService:
     async def forward(self, req: Request) -> Message:
         if self.stage.is_last:
             raise bad_input("the last stage answers stage.forward_backward, not stage.forward")
-        answer, _ = await self._compute_call(req, FORWARD)
-        return Message({}, [answer.tensor], codec=self.spec.wire.activations)
+        answer, admitted = await self._compute_call(req, FORWARD)
+        return Message({"replayed": admitted.get("replayed", False)}, [answer.tensor], codec=self.spec.wire.activations)
 
     async def backward(self, req: Request) -> Message:
         if self.stage.is_last:
@@ -319,15 +322,15 @@ class StageService:
             raise busy(f"this peer is {self.state}")
         step, mb, samples = self._check_meta(req.meta)
         x, other = await self._check_tensors(kind, req.tensors, samples)
-        await self._gate(step, req.deadline)
+        replay = await self._gate(step, req.deadline)
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         loop = asyncio.get_running_loop()
-        admission = self.core.admit(loop.time(), step, mb) if kind != FORWARD else Admission.REPEAT
+        admission = self.core.admit(loop.time(), step, mb) if kind != FORWARD and not replay else Admission.REPEAT
         # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
         work = Work(kind, step, mb, x, other, admission == Admission.ACCUMULATE, loop.create_future(),
-                    epoch=self._state_epoch, solo=solo)
+                    epoch=self._state_epoch, solo=solo, replay=replay)
         if work.accumulate:
             # Whatever becomes of the call (answered, failed, refused, its caller gone), the claim
             # is released once its compute is over unless the gradient went in (I3: no claim leak).
@@ -345,8 +348,9 @@ class StageService:
         except asyncio.CancelledError:
             work.abandoned = True  # a worker that has not taken it skips it (and settles it)
             raise
-        return answer, {"duplicate": admission == Admission.REPEAT, "added": work.added,
-                        "held_by_mate": admission == Admission.HELD_BY_MATE}
+        admitted = {"duplicate": admission == Admission.REPEAT, "added": work.added,
+                    "held_by_mate": admission == Admission.HELD_BY_MATE}
+        return answer, {**admitted, "replayed": True} if replay else admitted
 
     def _settled(self, work: Work, epoch: int, future: asyncio.Future) -> None:
         if not future.cancelled():
@@ -398,16 +402,20 @@ class StageService:
                 return f"{what}: token ids must be in [0, {vocab})"
         return None
 
-    async def _gate(self, step: int, deadline: float | None) -> None:
-        """Work for a future step waits here for this peer's commit, up to the call's deadline."""
+    async def _gate(self, step: int, deadline: float | None) -> bool:
+        """Work for a future step waits here for this peer's commit, up to the call's deadline.
+        True: the step was just committed and this peer still holds its parameters (a replay)."""
         loop = asyncio.get_running_loop()
         ahead = 1 if self.spec.pipeline.delayed_updates else 0
         while True:
             committed = self.committed
             if step < committed:
+                previous = self._previous
+                if previous is not None and previous.step == step:
+                    return True
                 raise StaleStep(step, committed).to_rpc()
             if self.core.accepts(step):
-                return
+                return False
             if await self._resume_at(step - ahead) or self.committed != committed:
                 continue
             now = loop.time()
@@ -465,6 +473,7 @@ class StageService:
                     self.accumulator.clear()
                     self._state_digest = jump_digest(self._state_digest, target)
                     self._state_epoch += 1
+                    self._previous = None
 
             await self.in_aux(jump)
             self.core.jumped(target)
@@ -604,6 +613,8 @@ class StageService:
             with self.guard.write():
                 if self.committed != step or self.opt.step_count != step:
                     raise RoundFailed(f"step {step} is no longer current (at {self.committed})")
+                if self.limits.replay_previous:
+                    self._previous = Previous(step, {name: p.detach().clone() for name, p in self.stage.named_parameters()})
                 offset = 0
                 for p in self.params:
                     n = p.numel()
@@ -635,7 +646,7 @@ class StageService:
 
     def _checkpoint_due(self) -> bool:
         every = self.spec.checkpoint.every_steps
-        return self.state_dir is not None and every > 0 and self.committed % every == 0
+        return self.state_dir is not None and every > 0 and self.opt.step_count % every == 0
 
     def _skip_step(self, exc: NonFiniteGradient) -> StepReport:
         """Every member reduced the same non-finite gradient: all skip the update alike (as AMP's

@@ -31,7 +31,7 @@ def test_a_reply_past_the_trainers_timeout_is_not_summed_twice():
     """Review hole 1: peer 0 adds every call at once but its replies come after the trainer's
     timeout (a slow uplink), so the trainer retries each microbatch on a mate; every step still
     sums each id once (the mate sees it held, or the round leaves one copy out)."""
-    sim = run(peers=2, compute_s=(0.02, 0.02), slow_links=((0.0, 5.0, 0, 0.8),), seed=11)
+    sim = run(peers=2, compute_s=(0.02, 0.02), slow_links=((0.0, 5.0, 0, 0.4),), trainer_timeout_s=0.3, seed=11)
     assert sim.counts.get("admit: held_by_mate", 0) + sim.counts.get("round failed: left out", 0) \
         + sim.counts.get("commit with sums left out", 0) > 0
 

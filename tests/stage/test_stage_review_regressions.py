@@ -13,7 +13,7 @@ import torch
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.model import build_stage
 from swarmd.optim import StageOptimizer
-from transport.errors import DeadlineExceeded
+from transport.errors import DeadlineExceeded, RemoteError
 
 B, T, C = 2, 16, 32
 STAGE = 1
@@ -186,3 +186,35 @@ async def test_a_mate_with_a_slow_uplink_is_benched_and_its_share_resent(kit, cl
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_call_for_the_step_just_committed_is_answered_on_its_parameters(kit, client):
+    """Hole 2 (stage side). Steps: step 0 commits on one peer; then mb 0 of step 0 comes again (a
+    call whose first attempt timed out on the trainer though the stage committed with it), as
+    forward and as backward; then a call for step 0 after step 1 committed. Expected: the first
+    two are answered exactly as before the commit (same output and grad_x, computed on the step-0
+    parameters), marked `replayed`, adding nothing; the last is `stale_step`."""
+    spec = kit.make_spec(stages=3, optim="sgd")
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory())
+    try:
+        x, gy = inputs(0, 0)
+        before_y = (await kit.call(client, peer, "stage.forward", STAGE, 0, 0, [x])).tensors[0]
+        first = await backward(kit, client, peer, 0, 0)
+        for m in (1, 2, 3):
+            await backward(kit, client, peer, 0, m)
+        await until(lambda: peer.service.committed == 1)
+        y = await kit.call(client, peer, "stage.forward", STAGE, 0, 0, [x])
+        again = await backward(kit, client, peer, 0, 0)
+        assert y.meta["replayed"] is True and torch.equal(y.tensors[0], before_y)
+        assert again.meta["replayed"] is True and again.meta["added"] is False
+        assert torch.equal(again.tensors[0], first.tensors[0])
+        assert peer.service.accumulator.progress(0).ids == frozenset()
+        for m in range(4):
+            await backward(kit, client, peer, 1, m)
+        await until(lambda: peer.service.committed == 2)
+        with pytest.raises(RemoteError) as stale:
+            await backward(kit, client, peer, 0, 0)
+        assert stale.value.code == "stale_step"
+        assert_equal_to(reference(spec, 2), peer)
+    finally:
+        await peer.close()
