@@ -63,6 +63,7 @@ class MateView:
     digest: bytes
     ids: frozenset[int]  # microbatches of `step` whose gradient it holds
     claimed: frozenset[int] = frozenset()  # microbatches it is computing for `step`
+    rate: float = 0.0  # its measured all-reduce send rate, bytes/s (0: not measured yet)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,11 @@ class StageCore:
 
     def mate_slow(self) -> bool:
         return bool(self._slow)
+
+    def rate_of(self, peer: bytes) -> float:
+        """A mate's last reported send rate (0.0: unknown)."""
+        view = self._mates.get(peer)
+        return view.rate if view is not None else 0.0
 
     def _lineage(self, step: int, shielded: bool = False) -> list[MateView]:
         """Serving mates at `step` with this peer's digest that answered the last poll (its

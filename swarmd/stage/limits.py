@@ -59,9 +59,17 @@ class StageLimits:
     # (a straggler catches up by download instead of holding every round hostage).
     bench_s: float = 1.0
     bench_max_s: float = 60.0
-    # One all-reduce round (reduce + gather); a mate silent this long is excluded and the round
-    # restarts with the others. Must cover shipping the whole gradient over the slowest link.
+    # The longest one all-reduce round (reduce + gather) may take. Each round's own timeout is
+    # derived from the bytes each member moves and the slowest member's measured send rate
+    # (`allreduce.round_timeout`: round_time_margin x bytes / rate, at least round_timeout_floor_s),
+    # capped here; before any rate is measured, this cap. A mate whose parts miss it is benched.
     round_timeout_s: float = 60.0
+    # The shortest a round's timeout gets however fast the links look: scheduling noise, a
+    # garbage-collection pause, a loaded event loop must not fail a round.
+    round_timeout_floor_s: float = 5.0
+    # How many times the expected transfer time a round is given: a measured rate is an average,
+    # and the gather follows the reduce on the same links.
+    round_time_margin: float = 4.0
     # Keep the parameters of the step committed last (one more copy of them) so that a call for
     # that step arriving after the commit (its caller timed out, retried, and the stage committed
     # with the first copy) is still answered exactly, on those parameters, adding nothing: the

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ import torch
 
 from swarmd.directory import StageDirectory
 from swarmd.stage.accumulator import Accumulator
-from swarmd.stage.allreduce import Contribution, Mailbox, RoundBox
+from swarmd.stage.allreduce import WIRE_BYTES, Contribution, Mailbox, RoundBox, round_timeout
 from swarmd.stage.core import DIGEST_BYTES, Download, Lead, MateView, Phase, RoundPlan, StageCore, plan_round
 from swarmd.stage.errors import RoundFailed, bad_input, busy
 from swarmd.stage.idsets import decode_ranges, encode_ranges
@@ -36,6 +37,9 @@ from transport.errors import DeadlineExceeded, RpcError, TransportError
 from transport.rpc import Message, Pool, Request
 
 log = logging.getLogger(__name__)
+
+RATE_EMA = 0.3  # weight of the newest part in the send-rate estimate: a few rounds to settle
+MIN_MEASURED_BYTES = 64 * 1024  # smaller parts measure latency, not the link's rate
 
 
 class StageHost(Protocol):
@@ -74,6 +78,7 @@ class StageSync:
         self.mailbox = Mailbox(limits.max_open_rounds, limits.round_timeout_s,
                                2 * limits.progress_timeout_s, limits.closed_rounds_kept)
         self.last_failure: str | None = None
+        self.rate = 0.0  # EMA of this peer's all-reduce send rate, bytes/s (shown to mates)
 
     @property
     def in_round(self) -> bool:
@@ -133,7 +138,10 @@ class StageSync:
         span = self.core.step_ids(step)
         ids = decode_ranges(meta.get("held"), span)
         claimed = decode_ranges(meta.get("claimed"), span)
-        return MateView(peer_id, addr, step, state, digest, ids, claimed)
+        rate = meta.get("rate", 0.0)
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
+            raise ValueError(f"bad rate in the progress reply from {addr}")
+        return MateView(peer_id, addr, step, state, digest, ids, claimed, float(rate))
 
     def progress_reply(self) -> Message:
         step = self.core.step
@@ -141,7 +149,8 @@ class StageSync:
         return Message({"peer_id": self.core.peer_id, "step": step, "state": str(self.core.phase),
                         "digest": self.core.digest, "held": encode_ranges(progress.ids),
                         "claimed": encode_ranges(self.core.claimed(step) - progress.ids),
-                        "samples": progress.samples, "in_round": self.in_round}, codec="none")
+                        "samples": progress.samples, "in_round": self.in_round, "rate": self.rate},
+                       codec="none")
 
     # ----------------------------------------------------------------------------- rounds
 
@@ -205,7 +214,11 @@ class StageSync:
             box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True)
             flat = await host.in_aux(host.flatten, taken.grads)
             mine = Contribution(frozenset(taken.ids), taken.samples)
-            async with asyncio.timeout(host.limits.round_timeout_s):
+            limits = host.limits
+            rates = [self.rate] + [self.core.rate_of(p) for p in ids if p != self.core.peer_id]
+            timeout = round_timeout(host.numel, len(ids), limits.allreduce_codec, rates, limits.round_timeout_floor_s,
+                                    limits.round_timeout_s, limits.round_time_margin)
+            async with asyncio.timeout(timeout):
                 lo, hi = box.bounds[me]
                 box.put_part(me, 0, flat[lo:hi], mine)
                 head = {"ids": encode_ranges(mine.ids), "samples": mine.samples}
@@ -266,13 +279,17 @@ class StageSync:
         meta = {**self.host.meta(), "round": round_id, "step": step, "members": [p for p, _ in members], "src": me}
         per = max(1, self.host.limits.allreduce_chunk_bytes // 4)
 
+        codec = self.host.limits.allreduce_codec
+
         async def to(j: int, addr: str) -> None:
             part = payload(j)
             for offset in range(0, max(part.numel(), 1), per):
                 extra = head if offset == 0 else {}
-                message = Message({**meta, **extra, "offset": offset}, [part[offset: offset + per]],
-                                  codec=self.host.limits.allreduce_codec)
+                piece = part[offset: offset + per]
+                message = Message({**meta, **extra, "offset": offset}, [piece], codec=codec)
+                began = time.perf_counter()
                 await self.host.pool.call(addr, method, message, timeout=self.host.limits.round_timeout_s)
+                self._measure(piece.numel() * WIRE_BYTES.get(codec, 4), time.perf_counter() - began)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -282,6 +299,13 @@ class StageSync:
         except* (TransportError, RpcError) as failed:
             first = failed.exceptions[0]
             raise RoundFailed(f"{method} to a member failed: {type(first).__name__}: {first}") from None
+
+    def _measure(self, sent: int, seconds: float) -> None:
+        """Fold one part's send into the rate estimate (tiny parts say nothing about a link)."""
+        if sent < MIN_MEASURED_BYTES:
+            return
+        rate = sent / max(seconds, 1e-6)
+        self.rate = rate if self.rate == 0.0 else (1 - RATE_EMA) * self.rate + RATE_EMA * rate
 
     async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]], straggler: bool = False) -> None:
         # Closed here first: parts members already sent must not open a box for it (allreduce.Mailbox).

@@ -164,3 +164,15 @@ def test_id_sets_travel_as_ranges_and_a_mate_cannot_name_ids_outside_the_step():
                 [[4, 5]] * 9):
         with pytest.raises(ValueError):
             decode_ranges(bad, range(4, 12))
+
+
+def test_the_round_timeout_follows_the_bytes_and_the_slowest_measured_rate():
+    from swarmd.stage.allreduce import round_timeout
+
+    numel = 50_000_000  # 200 MB of fp32 gradient; fp16 halves what moves
+    # 4 members move 2*3/4 of the vector each (150 MB in fp16); at 25 MB/s (200 Mb/s) 6 s, x4 margin.
+    assert round_timeout(numel, 4, "fp16", [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx(24.0)
+    assert round_timeout(numel, 4, "none", [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx(48.0)
+    assert round_timeout(numel, 4, "fp16", [1e12] * 4, 5.0, 600.0, 4.0) == 5.0  # the floor
+    assert round_timeout(numel, 4, "fp16", [1e3] * 4, 5.0, 600.0, 4.0) == 600.0  # the ceiling
+    assert round_timeout(numel, 4, "fp16", [25e6, 0.0, 1e9, 1e9], 5.0, 600.0, 4.0) == 600.0  # unmeasured
