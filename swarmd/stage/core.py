@@ -115,6 +115,15 @@ def plan_round(contributions: Sequence[tuple[frozenset[int], int]], step_ids: fr
     return RoundPlan(tuple(sorted(kept)), tuple(sorted(left_out)), taken == step_ids, samples)
 
 
+def every_member(contributions: Sequence[tuple[frozenset[int], int]], step_ids: frozenset[int]) -> RoundPlan:
+    """The plan of a robust aggregate (`centered_clip`): every member's sum enters the robust
+    combination, which bounds each one's pull instead of adding it (a second copy of a microbatch
+    only shifts the weights, and a member it leaves out as non-finite loses nothing another holds).
+    I1 is the exact mean's promise; robust aggregation trades it for a bound on any one member."""
+    union = frozenset().union(*(ids for ids, _ in contributions))
+    return RoundPlan(tuple(range(len(contributions))), (), union == step_ids, sum(n for _, n in contributions))
+
+
 def initial_digest(seed: int, stage: int) -> bytes:
     """The digest of the deterministic init: every fresh peer of the stage starts equal."""
     return _hash(b"init", seed.to_bytes(8, "big", signed=True), stage.to_bytes(4, "big"))
@@ -157,6 +166,9 @@ class CoreConfig:
     defer_s: float = 1.0  # how long an invitation from a smaller leader keeps us from leading
     bench_s: float = 1.0  # first bench of a failing leader or straggling member; doubles per failure
     bench_max_s: float = 60.0
+    # The exact mean (I1): a mate's copy makes a call redundant. False with a robust aggregate,
+    # where every copy is one more opinion (a hostile holder must not be the only one).
+    exact: bool = True
 
 
 @dataclass
@@ -205,7 +217,7 @@ class StageCore:
         # an id it blocked here would stay uncovered for as long (exactness does not rest on this:
         # plan_round sums any id once; this only saves the wasted copy).
         # A benched mate's copy does not count either: no round of ours will include it.
-        if step == self.step and any(mb in m.ids for m in self._lineage(step, shielded=True)
+        if self.config.exact and step == self.step and any(mb in m.ids for m in self._lineage(step, shielded=True)
                                      if not self._benched(m.peer_id, now)):
             self._repeats[step] = self._repeats.get(step, 0) + 1
             return Admission.HELD_BY_MATE

@@ -35,6 +35,7 @@ from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
 from swarmd.stage.executor import Executor, QueueFull
 from swarmd.stage.limits import StageLimits
+from swarmd.stage.robust import CENTERED_CLIP
 from swarmd.stage.server import StageServer
 from swarmd.stage.state import (Snapshot, StateError, apply_snapshot, content_digest, download, snapshot_messages,
                                 take_snapshot)
@@ -91,7 +92,7 @@ class StageService:
         self.microbatches = spec.batch.microbatches_per_step
         self.core = StageCore(peer_id, address, CoreConfig(
             self.microbatches, limits.missing_grace_s, limits.resume_after_s, defer_s=limits.defer_s,
-            bench_s=limits.bench_s, bench_max_s=limits.bench_max_s),
+            bench_s=limits.bench_s, bench_max_s=limits.bench_max_s, exact=limits.aggregate != CENTERED_CLIP),
             delayed=spec.pipeline.delayed_updates)
         self.records: deque[StepRecord] = deque(maxlen=limits.records_kept)
         self.sync = StageSync(self)

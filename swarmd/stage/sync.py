@@ -27,7 +27,8 @@ import torch
 from swarmd.directory import StageDirectory
 from swarmd.stage.accumulator import Accumulator
 from swarmd.stage.allreduce import WIRE_BYTES, Contribution, Mailbox, RoundBox, round_timeout
-from swarmd.stage.core import DIGEST_BYTES, Download, Lead, MateView, Phase, RoundPlan, StageCore, plan_round
+from swarmd.stage.core import (DIGEST_BYTES, Download, Lead, MateView, Phase, RoundPlan, StageCore, every_member,
+                               plan_round)
 from swarmd.stage.errors import RoundFailed, bad_input, busy
 from swarmd.stage.idsets import decode_ranges, encode_ranges
 from swarmd.stage.limits import StageLimits
@@ -227,8 +228,11 @@ class StageSync:
                                                      lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head))
                 sending = False
                 await box.wait(box.reduced_ready)
-                plan = plan_round([(c.ids, c.samples) for c in (box.contributions[i] for i in range(len(ids)))],
-                                  self.core.step_ids(step))
+                contributions = [(c.ids, c.samples) for c in (box.contributions[i] for i in range(len(ids)))]
+                if host.limits.aggregate == CENTERED_CLIP:
+                    plan = every_member(contributions, self.core.step_ids(step))
+                else:
+                    plan = plan_round(contributions, self.core.step_ids(step))
                 if not plan.covered:
                     if me in plan.left_out:
                         outcome = "left out"
