@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -117,10 +117,15 @@ class Previous:
 class StageCompute:
     def __init__(self, stage: Stage, params: list[torch.nn.Parameter], accumulator: Accumulator,
                  guard: ParamGuard, committed: Callable[[], int], epoch: Callable[[], int], lane: Lane,
-                 previous: Callable[[], "Previous | None"] = lambda: None) -> None:
+                 previous: Callable[[], "Previous | None"] = lambda: None,
+                 autocast: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.stage, self.params, self.accumulator = stage, params, accumulator
         self.guard, self.committed, self.epoch, self.lane = guard, committed, epoch, lane
         self.previous = previous
+        # The seam for mixed precision: every forward of the stage (and the recomputed one of a
+        # backward) runs inside it, the gradients are taken outside; parameters, sums, all-reduce
+        # and optimizer stay fp32, and answers go back fp32 (the wire specs say so).
+        self.autocast = autocast
 
     def run(self, batch: list[Work]) -> list[Answer]:
         """Compute one batch (all of one `Work.key`); raises StaleStep if its step is committed."""
@@ -148,25 +153,27 @@ class StageCompute:
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         stage = self.stage if previous is None else previous.module(self.stage)
         if head.kind == FORWARD:
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast():
                 y = stage(x)  # (B, T, C)
-            return [Answer(t) for t in self.lane.download(list(y.split(sizes)))]
+            return [Answer(t) for t in self.lane.download(list(y.float().split(sizes)))]
         other = others[0] if len(others) == 1 else torch.cat(others)
         if head.kind == BACKWARD:
             with torch.enable_grad():
                 x = self._input(x)
-                out = stage(x)  # (B, T, C)
+                with self.autocast():
+                    out = stage(x)  # (B, T, C)
                 grad_x = self._gradients(batch, out, other, x, sizes)
             return self._answers(grad_x, sizes, [None] * len(batch))
         with torch.enable_grad():
             x = self._input(x)
-            if len(batch) == 1:
-                total = stage(x, other)  # the sample-summed loss, exactly as a direct call
-                loss_sums = [total]
-            else:
-                per_sample = self.stage.sample_losses(x, other)  # (B,)
-                total = per_sample.sum()
-                loss_sums = [part.sum() for part in per_sample.split(sizes)]
+            with self.autocast():
+                if len(batch) == 1:
+                    total = stage(x, other)  # the sample-summed loss, exactly as a direct call
+                    loss_sums = [total]
+                else:
+                    per_sample = self.stage.sample_losses(x, other)  # (B,)
+                    total = per_sample.sum()
+                    loss_sums = [part.sum() for part in per_sample.split(sizes)]
             grad_x = self._gradients(batch, total, None, x, sizes)
             losses = [float(v.detach()) for v in loss_sums]
         return self._answers(grad_x, sizes, losses)
