@@ -201,6 +201,7 @@ class StageCore:
     _bench: dict[bytes, _Bench] = field(default_factory=dict)  # mates whose round parts came late
     _defer_until: float = 0.0
     _behind_since: tuple[int, float] | None = None
+    _polled_last: bytes = b""  # the round robin's place (`to_poll`)
 
     # ------------------------------------------------------------------ compute calls
 
@@ -243,10 +244,25 @@ class StageCore:
 
     # ------------------------------------------------------------------ mates
 
-    def observe(self, now: float, views: Iterable[MateView], slow: Iterable[bytes], announced: Iterable[bytes]) -> None:
-        """A poll ended: `views` answered, `slow` timed out, the rest of `announced` refused or
-        failed (what they held is lost), and mates no longer announced are forgotten."""
+    def to_poll(self, announced: Sequence[bytes], count: int) -> list[bytes]:
+        """The `count` mates to poll this tick, round robin over the announced ones: a peer's control
+        traffic stays the same however many mates it has, and each view is refreshed every
+        len(announced) / count ticks."""
+        ordered = sorted(announced)
+        if len(ordered) <= count:
+            return ordered
+        later = [p for p in ordered if p > self._polled_last]
+        chosen = (later + ordered)[:count]
+        self._polled_last = chosen[-1]
+        return chosen
+
+    def observe(self, now: float, views: Iterable[MateView], slow: Iterable[bytes], announced: Iterable[bytes],
+                polled: Iterable[bytes] | None = None) -> None:
+        """A poll of `polled` (default: every announced mate) ended: `views` answered, `slow` timed
+        out, the rest of `polled` refused or failed (what they held is lost); mates not polled keep
+        their last view, and mates no longer announced are forgotten."""
         announced = set(announced)
+        polled = announced if polled is None else set(polled)
         slow = set(slow)
         answered = set()
         for view in views:
@@ -256,7 +272,7 @@ class StageCore:
         for peer in slow:
             self._slow.setdefault(peer, now)
         for peer in list(self._mates):
-            if peer not in answered and (peer not in slow or peer not in announced):
+            if peer not in announced or (peer in polled and peer not in answered and peer not in slow):
                 del self._mates[peer]
                 self._slow.pop(peer, None)
         for peer, since in list(self._slow.items()):

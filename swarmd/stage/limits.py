@@ -35,9 +35,15 @@ class StageLimits:
     workers: int = 2
     # torch intra-op threads (process-wide in torch); None leaves the process setting alone.
     torch_threads: int | None = None
-    # How often a peer polls its stage-mates' progress. Rounds start within one period of the last
-    # microbatch arriving; 0.1 s is small next to a step of seconds, and costs P-1 tiny calls.
+    # How often a peer polls stage-mates' progress (`polled_mates` of them). 0.1 s is small next to a
+    # step of seconds, and costs one tiny call per polled mate.
     sync_interval_s: float = 0.1
+    # Mates a peer polls per sync tick, round robin (a join and a look before skipping lost steps
+    # poll them all). Per-peer control traffic then stays the same however large the stage grows;
+    # the price is staleness: a mate's view is refreshed every mates / polled_mates ticks, so a
+    # round of a stage of P peers starts up to (P - 1) / polled_mates ticks after the step is
+    # covered, and a dead mate's ids are reported that much later.
+    polled_mates: int = 1
     # Deadline of one progress call; a mate that cannot answer it is treated as gone for this poll.
     progress_timeout_s: float = 2.0
     # A mate whose progress calls time out (rather than being refused: a killed process refuses at

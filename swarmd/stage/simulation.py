@@ -51,6 +51,7 @@ class Schedule:
     hedge: int  # peers each microbatch goes to at once (2: a trainer that hedges every call)
     fault_end: float
     slow_links: tuple[tuple[float, float, int, float], ...] = ()  # (from, to, peer, delay): its sends that late
+    polled: int = 8  # mates polled per tick (StageLimits.polled_mates)
     sync_s: float = 0.2
     poll_timeout_s: float = 0.5
     round_timeout_s: float = 1.5
@@ -81,7 +82,7 @@ def random_schedule(seed: int) -> Schedule:
     return Schedule(seed, peers, rng.randint(2, 6), rng.randint(3, 6), rng.randint(1, 2),
                     tuple(rng.uniform(0.01, 0.06) for _ in range(peers)), rng.uniform(0.001, 0.02),
                     rng.choice((0.0, 0.0, 0.01, 0.05)), timeout, late, cuts, tuple(hidden), tuple(deaths),
-                    rng.choice((0.0, 0.0, 0.1)), rng.choice((1, 1, 2)), fault_end, slow_links)
+                    rng.choice((0.0, 0.0, 0.1)), rng.choice((1, 1, 2)), fault_end, slow_links, rng.choice((1, 2, 8)))
 
 
 @dataclass
@@ -369,8 +370,10 @@ class StageSimulation:
     def _tick(self, peer: _Peer) -> None:
         """One poll of the mates (answers read at once, as of one latency later) and the decision."""
         mates = self.visible(peer.index)
+        ids = {self.peers[j].core.peer_id: j for j in mates}
+        polled = [ids[p] for p in peer.core.to_poll(list(ids), self.s.polled)]
         views, slow = [], []
-        for j in mates:
+        for j in polled:
             if self._cut(peer.index, j) or self._cut(j, peer.index) or self._uplink(j) > self.s.poll_timeout_s or (
                     self._faulty() and self.rng.random() < 2 * self.s.loss):
                 slow.append(self.peers[j].core.peer_id)
@@ -378,7 +381,7 @@ class StageSimulation:
                 views.append(self._view(self.peers[j]))
         self.at(self.s.sync_s, self._for(peer, self._tick), peer)
         core = peer.core
-        core.observe(self.now, views, slow, [self.peers[j].core.peer_id for j in mates])
+        core.observe(self.now, views, slow, list(ids), [self.peers[j].core.peer_id for j in polled])
         if peer.inviting:
             return
         action = core.decide(self.now, self._held(peer, core.step))

@@ -104,7 +104,7 @@ class StageSync:
                 log.debug("stage %d sync: %s", self.host.stage_index, exc)
 
     async def tick(self) -> None:
-        await self.poll()
+        await self.poll(full=False)
         held = self.host.accumulator.progress(self.core.step).ids
         action = self.core.decide(_now(), held)
         if isinstance(action, Download):
@@ -112,10 +112,15 @@ class StageSync:
         elif isinstance(action, Lead):
             await self.lead(action)
 
-    async def poll(self) -> list[MateView]:
-        """Ask every announced mate for its progress and tell the core what came back."""
+    async def poll(self, full: bool = True) -> list[MateView]:
+        """Ask announced mates for their progress (every one, or `polled_mates` of them round robin)
+        and tell the core what came back."""
         peers = await self.host.directory.peers(self.host.job_id, self.host.stage_index)
-        mates = [p for p in peers if p.peer_id != self.core.peer_id]
+        announced = [p for p in peers if p.peer_id != self.core.peer_id]
+        mates = announced
+        if not full:
+            chosen = set(self.core.to_poll([p.peer_id for p in announced], self.host.limits.polled_mates))
+            mates = [p for p in announced if p.peer_id in chosen]
         results = await asyncio.gather(*(self._progress(p.peer_id, p.addr) for p in mates), return_exceptions=True)
         views, slow = [], []
         for mate, result in zip(mates, results):
@@ -125,7 +130,7 @@ class StageSync:
                 slow.append(mate.peer_id)  # alive but slow, maybe: the core shields what it held
             elif not isinstance(result, (TransportError, RpcError, TimeoutError, ValueError)):
                 raise result
-        self.core.observe(_now(), views, slow, [m.peer_id for m in mates])
+        self.core.observe(_now(), views, slow, [m.peer_id for m in announced], [m.peer_id for m in mates])
         return views
 
     async def _progress(self, peer_id: bytes, addr: str) -> MateView:
