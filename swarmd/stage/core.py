@@ -354,7 +354,8 @@ class StageCore:
         if step != self.step:
             return f"round for step {step}, this peer is at step {self.step}"
         if digest != self.digest:
-            return f"round for another state of step {step} (digest {digest.hex()[:8]}, this peer {self.digest.hex()[:8]})"
+            return (f"round for another state of step {step} (digest {digest.hex()[:8]}, "
+                    f"this peer {self.digest.hex()[:8]})")
         if self._benched(leader, now):
             return "that leader's round parts did not reach this peer in time lately; it is benched here"
         if leader < self.peer_id:

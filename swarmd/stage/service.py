@@ -615,7 +615,8 @@ class StageService:
                 if self.committed != step or self.opt.step_count != step:
                     raise RoundFailed(f"step {step} is no longer current (at {self.committed})")
                 if self.limits.replay_previous:
-                    self._previous = Previous(step, {name: p.detach().clone() for name, p in self.stage.named_parameters()})
+                    kept = {name: p.detach().clone() for name, p in self.stage.named_parameters()}
+                    self._previous = Previous(step, kept)
                 offset = 0
                 for p in self.params:
                     n = p.numel()
