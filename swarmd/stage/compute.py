@@ -77,12 +77,17 @@ class Work:
     added: bool = False  # set in the compute thread once its gradient is in the accumulator
     abandoned: bool = False  # its caller left: a worker that has not taken it yet skips it
     replay: bool = False  # a call for the step just committed: computed on its parameters, adds nothing
+    # The parameter version (commits behind them) its caller asks for: the one its forward ran on,
+    # so a backward's recompute sees the same parameters (honoured while this peer still has them).
+    version: int | None = None
+    used: int = -1  # the version it was computed on (set in the compute thread; every reply says it)
 
     @property
     def key(self) -> tuple:
         other = None if self.other is None else (self.other.dtype, tuple(self.other.shape[1:]))
         alone = id(self) if self.solo or self.replay else None
-        return self.kind, self.step, self.accumulate, self.x.dtype, tuple(self.x.shape[1:]), other, alone
+        return (self.kind, self.step, self.accumulate, self.x.dtype, tuple(self.x.shape[1:]), other, alone,
+                self.version)
 
 
 @dataclass
@@ -132,11 +137,15 @@ class StageCompute:
         head = batch[0]
         with self.guard.read():
             committed = self.committed()
-            previous = self.previous() if head.replay else None
-            if head.step < committed and (previous is None or previous.step != head.step):
+            kept = self.previous()
+            if head.step < committed and not (head.replay and kept is not None and kept.step == head.step):
                 raise StaleStep(head.step, committed)
-            if head.step >= committed:
-                previous = None  # not committed after all (a download rewound us): the live parameters
+            # A replay wants its step's parameters, a tagged call the version its forward ran on; a
+            # version this peer no longer holds (or not yet: a download rewound it) gets the live ones.
+            wanted = head.step if head.replay else head.version
+            previous = kept if kept is not None and wanted == kept.step and wanted < committed else None
+            for w in batch:
+                w.used = committed if previous is None else previous.step
             if head.accumulate and head.epoch != self.epoch():
                 for w in batch:  # admitted before the state was replaced: nothing it held counts now
                     w.accumulate = False

@@ -299,7 +299,8 @@ class StageService:
         if self.stage.is_last:
             raise bad_input("the last stage answers stage.forward_backward, not stage.forward")
         answer, admitted = await self._compute_call(req, FORWARD)
-        return Message({"replayed": admitted.get("replayed", False)}, [answer.tensor], codec=self.spec.wire.activations)
+        meta = {"replayed": admitted.get("replayed", False), "version": admitted["version"]}
+        return Message(meta, [answer.tensor], codec=self.spec.wire.activations)
 
     async def backward(self, req: Request) -> Message:
         if self.stage.is_last:
@@ -322,6 +323,9 @@ class StageService:
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         step, mb, samples = self._check_meta(req.meta)
+        version = req.meta.get("version")
+        if version is not None and (type(version) is not int or version < 0):
+            raise bad_input("version, when given, must be an int >= 0 (the one a forward reply named)")
         x, other = await self._check_tensors(kind, req.tensors, samples)
         replay = await self._gate(step, req.deadline)
         if self.state != Phase.SERVING:
@@ -331,7 +335,7 @@ class StageService:
         # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
         work = Work(kind, step, mb, x, other, admission == Admission.ACCUMULATE, loop.create_future(),
-                    epoch=self._state_epoch, solo=solo, replay=replay)
+                    epoch=self._state_epoch, solo=solo, replay=replay, version=version)
         if work.accumulate:
             # Whatever becomes of the call (answered, failed, refused, its caller gone), the claim
             # is released once its compute is over unless the gradient went in (I3: no claim leak).
@@ -350,7 +354,7 @@ class StageService:
             work.abandoned = True  # a worker that has not taken it skips it (and settles it)
             raise
         admitted = {"duplicate": admission == Admission.REPEAT, "added": work.added,
-                    "held_by_mate": admission == Admission.HELD_BY_MATE}
+                    "held_by_mate": admission == Admission.HELD_BY_MATE, "version": work.used}
         return answer, {**admitted, "replayed": True} if replay else admitted
 
     def _settled(self, work: Work, epoch: int, future: asyncio.Future) -> None:

@@ -14,6 +14,7 @@ from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.model import build_stage
 from swarmd.optim import StageOptimizer
 from transport.errors import DeadlineExceeded, RemoteError
+from transport.rpc import Message
 
 B, T, C = 2, 16, 32
 STAGE = 1
@@ -216,5 +217,33 @@ async def test_a_call_for_the_step_just_committed_is_answered_on_its_parameters(
             await backward(kit, client, peer, 0, 0)
         assert stale.value.code == "stale_step"
         assert_equal_to(reference(spec, 2), peer)
+    finally:
+        await peer.close()
+
+
+async def test_a_backward_tagged_with_its_forwards_version_recomputes_on_those_parameters(kit, client):
+    """Delayed updates: mb 0 of step 1 is forwarded while step 0 is open (version 0), then step 0
+    commits, then its backward comes tagged `version: 0`. Expected: the recompute runs on the
+    step-0 parameters (the reply says version 0; grad_x equals a reference backward on them) and
+    its gradient goes to step 1's sum; untagged, the same backward runs on version 1."""
+    spec = kit.make_spec(stages=3, optim="sgd", delayed=True)
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory())
+    try:
+        x, gy = inputs(1, 0)
+        forward = await kit.call(client, peer, "stage.forward", STAGE, 1, 4, [x])
+        assert forward.meta["version"] == 0
+        before = reference(spec, 0)
+        x_ref = x.clone().requires_grad_(True)
+        before(x_ref).backward(gy)
+        for m in range(4):
+            await backward(kit, client, peer, 0, m)
+        await until(lambda: peer.service.committed == 1)
+        meta = {**kit.call_meta(STAGE, 1, 4, B), "version": 0}
+        tagged = await client.call(peer.addr, "stage.backward", Message(meta, [x, gy], codec="none"), timeout=10)
+        assert tagged.meta["version"] == 0 and tagged.meta["added"] is True
+        torch.testing.assert_close(tagged.tensors[0], x_ref.grad, rtol=1e-5, atol=1e-7)
+        untagged = await backward(kit, client, peer, 1, 1)
+        assert untagged.meta["version"] == 1
+        assert peer.service.accumulator.progress(1).ids == {4, 5}
     finally:
         await peer.close()
