@@ -336,11 +336,10 @@ class StageService:
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
         work = Work(kind, step, mb, x, other, admission == Admission.ACCUMULATE, loop.create_future(),
                     epoch=self._state_epoch, solo=solo, replay=replay, version=version)
-        if work.accumulate:
-            # Whatever becomes of the call (answered, failed, refused, its caller gone), the claim
-            # is released once its compute is over unless the gradient went in (I3: no claim leak).
-            epoch = self.core.epoch
-            work.future.add_done_callback(lambda future: self._settled(work, epoch, future))
+        # Whatever becomes of the call (answered, failed, refused, its caller gone), its claim is
+        # released once its compute is over unless the gradient went in (I3: no claim leak).
+        epoch = self.core.epoch
+        work.future.add_done_callback(lambda future: self._settled(work, epoch, future))
         try:
             self.executor.submit(work)
         except QueueFull as exc:
@@ -360,7 +359,8 @@ class StageService:
     def _settled(self, work: Work, epoch: int, future: asyncio.Future) -> None:
         if not future.cancelled():
             future.exception()  # retrieved here: its caller may be gone
-        self.core.settled(work.step, work.mb, epoch, work.added)
+        if work.accumulate:
+            self.core.settled(work.step, work.mb, epoch, work.added)
 
     def _check_meta(self, meta: dict) -> tuple[int, int, int]:
         step, mb, samples = meta.get("step"), meta.get("mb"), meta.get("samples")
