@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 
@@ -100,9 +100,11 @@ class Lane:
 
 class StageCompute:
     def __init__(self, stage: Stage, params: list[torch.nn.Parameter], accumulator: Accumulator,
-                 guard: ParamGuard, committed: Callable[[], int], lane: Lane) -> None:
+                 guard: ParamGuard, committed: Callable[[], int], lane: Lane,
+                 autocast: Callable[[], ContextManager] = nullcontext) -> None:
         self.stage, self.params, self.accumulator = stage, params, accumulator
         self.guard, self.committed, self.lane = guard, committed, lane
+        self.autocast = autocast  # the job's precision policy (swarmd.model.precision); outputs stay fp32
 
     def run(self, batch: list[Work]) -> list[Answer]:
         """Compute one batch (all of one `Work.key`); raises StaleStep if its step is committed."""
@@ -111,7 +113,7 @@ class StageCompute:
             committed = self.committed()
             if head.step < committed:
                 raise StaleStep(head.step, committed)
-            with self.lane.stream():
+            with self.lane.stream(), self.autocast():
                 xs = self.lane.upload([w.x for w in batch])
                 others = self.lane.upload([w.other for w in batch]) if head.other is not None else []
                 answers = self._dispatch(head, batch, xs, others)

@@ -24,7 +24,8 @@ import torch
 
 from swarmd.directory import StageDirectory
 from swarmd.job import JobSpec
-from swarmd.model import build_stage
+from swarmd.model.init import build_initial_stage
+from swarmd.model.precision import Precision
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
@@ -164,8 +165,11 @@ class StageService:
             self.state = "serving"
 
     def _build(self) -> None:
-        self.stage = build_stage(self.spec.model.config, self.stage_index, self.spec.pipeline.stages,
-                                 self.spec.seed, self.device)
+        precision = Precision(self.spec.compute.dtype)
+        precision.check(self.device)
+        model = self.spec.model
+        self.stage = build_initial_stage(model.config, self.stage_index, self.spec.pipeline.stages, self.spec.seed,
+                                         self.device, model.init, model.init_digest)
         self.opt = StageOptimizer(self.stage, self.spec.optim, self.spec.steps)
         self.params = self.opt.params
         self.numel = sum(p.numel() for p in self.params)
@@ -177,7 +181,8 @@ class StageService:
             from swarmd.stage.cuda import cuda_lane
 
             lane, workers = cuda_lane(self.device), 1  # one stream per stage: one thread feeds it
-        self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.committed, lane)
+        self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.committed, lane,
+                                    autocast=lambda: precision.autocast(self.device))
         self.executor = Executor(self.compute.run, self.limits, workers, f"stage{self.stage_index}")
 
     async def _join(self) -> None:
