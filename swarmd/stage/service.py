@@ -25,7 +25,7 @@ import torch
 from swarmd.directory import StageDirectory
 from swarmd.job import JobSpec
 from swarmd.model.init import build_initial_stage
-from swarmd.model.precision import Precision
+from swarmd.model.precision import Precision, PrecisionError
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
@@ -167,6 +167,9 @@ class StageService:
     def _build(self) -> None:
         precision = Precision(self.spec.compute.dtype)
         precision.check(self.device)
+        if precision.scaled:  # unscaled fp16 gradients underflow: refuse until the LossScaler is wired in
+            raise PrecisionError("compute.dtype fp16: this stage peer does not scale losses yet (docs/models.md); "
+                                 "use bf16")
         model = self.spec.model
         self.stage = build_initial_stage(model.config, self.stage_index, self.spec.pipeline.stages, self.spec.seed,
                                          self.device, model.init, model.init_digest)
