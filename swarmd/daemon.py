@@ -252,7 +252,8 @@ class Daemon:
         self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,
                                address=str(self.announce), device=self.device, state_dir=cfg.daemon.state_dir,
                                limits=StageLimits(torch_threads=cfg.jobs.torch_threads),
-                               max_stages=cfg.jobs.max_stages, max_stage_memory=cfg.jobs.max_stage_memory)
+                               max_stages=cfg.jobs.max_stages, max_stage_memory=cfg.jobs.max_stage_memory,
+                               supervisor=Supervisor("stages", self.faults))
         closers.append(("served stages", self.serving.close))
         self.training = Training(self.pool, directory, supervisor=Supervisor("trainers", self.faults))
         closers.append(("trainers", self.training.close))

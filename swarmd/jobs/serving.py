@@ -32,6 +32,7 @@ from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.limits import StageLimits
 from swarmd.stage.service import StageService
 from swarmd.stage.state import StateError
+from swarmd.supervisor import Supervisor
 from transport.errors import RpcError, TransportError
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ class Served:
 
 class Serving:
     def __init__(self, dht: Any, router: Any, pool: Any, directory: Any, *, peer_id: bytes, address: str,
-                 device: str, state_dir: Path, limits: StageLimits, max_stages: int, max_stage_memory: int = 0) -> None:
+                 device: str, state_dir: Path, limits: StageLimits, max_stages: int, max_stage_memory: int = 0,
+                 supervisor: Supervisor | None = None) -> None:
+        self.supervisor = supervisor or Supervisor("stages")
         self.dht, self.router, self.pool, self.directory = dht, router, pool, directory
         self.peer_id, self.address, self.device = peer_id, address, device
         self.state_dir, self.limits, self.max_stages = state_dir, limits, max_stages
@@ -69,7 +72,7 @@ class Serving:
         check_stage_fits(spec, stage, self.max_stage_memory, microbatches_at_once=self.limits.max_batch * self.limits.workers)
         service = StageService(spec, job_id, stage, self.peer_id, self.router, self.pool, self.directory,
                                address=self.address, device=self.device, limits=job_limits(self.limits, spec),
-                               state_dir=self.state_dir)
+                               state_dir=self.state_dir, supervisor=self.supervisor)
         await service.start()
         ann = self.dht.announce(stage_key(job_id, stage),
                                 lambda: announcement_value(self.address, service.announcement()))
@@ -123,7 +126,8 @@ class Serving:
             moving.phase = JOINING
             new = StageService(old.service.spec, job_id, to_stage, self.peer_id, self.router, self.pool,
                                self.directory, address=self.address, device=self.device,
-                               limits=job_limits(self.limits, old.service.spec), state_dir=self.state_dir)
+                               limits=job_limits(self.limits, old.service.spec), state_dir=self.state_dir,
+                               supervisor=self.supervisor)
             try:
                 await new.start()
             except (TransportError, RpcError, StateError, OSError, ValueError) as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,10 +119,32 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return meta
 
 
+MAX_WEIGHTS_BYTES = 1 << 40
+"""1 TiB: past any model a swarm of this kind trains; a weights file named by a job spec (which a
+stranger may publish) is refused past it before anything of it is read."""
+
+
 def weights_path(init: str | Path) -> Path:
-    """An export directory's weights file, or the file itself when `init` names one."""
+    """An export directory's weights file, or the file itself when `init` names one; refused
+    (ExportError) unless it is a regular file within `MAX_WEIGHTS_BYTES`. `[model] init` comes from
+    a job spec, possibly a stranger's: a FIFO would block the reading thread for ever and a device
+    (`/dev/zero`) would be read without end, so the kind is checked on a descriptor opened without
+    blocking before the safetensors reader opens the path."""
     path = Path(init)
-    return path / WEIGHTS_FILE if path.is_dir() else path
+    path = path / WEIGHTS_FILE if path.is_dir() else path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ExportError(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise ExportError(f"{path} is not a regular file")
+    if info.st_size > MAX_WEIGHTS_BYTES:
+        raise ExportError(f"{path} is {info.st_size} bytes, over MAX_WEIGHTS_BYTES ({MAX_WEIGHTS_BYTES})")
+    return path
 
 
 def model_config(meta: dict[str, Any]) -> Any:

@@ -25,7 +25,8 @@ import torch
 
 from swarmd.directory import StageDirectory
 from swarmd.job import JobSpec
-from swarmd.model import build_stage
+from swarmd.model.init import build_initial_stage
+from swarmd.model.precision import Precision, PrecisionError
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
@@ -40,6 +41,7 @@ from swarmd.stage.server import StageServer
 from swarmd.stage.state import (Snapshot, StateError, apply_snapshot, content_digest, download, snapshot_messages,
                                 take_snapshot)
 from swarmd.stage.sync import StageSync
+from swarmd.supervisor import Supervisor
 from transport.errors import RpcError, TransportError
 from transport.rpc import Message, Pool, Request, Router
 from transport.tasks import TaskSet
@@ -80,8 +82,11 @@ class StageService:
     def __init__(self, spec: JobSpec, job_id: bytes, stage_index: int, peer_id: bytes,
                  server: StageServer | Router, pool: Pool, directory: StageDirectory, *, address: str,
                  device: str | torch.device = "cpu", limits: StageLimits = StageLimits(),
-                 state_dir: str | Path | None = None) -> None:
+                 state_dir: str | Path | None = None, supervisor: Supervisor | None = None) -> None:
         self.spec, self.job_id, self.stage_index, self.peer_id = spec, job_id, stage_index, peer_id
+        # The stage's loops restart on an unexpected error (logged, shown in `swarmctl status`)
+        # rather than die silently while the stage stays announced.
+        self.supervisor = supervisor or Supervisor(f"stage {stage_index}")
         # Given the daemon's Router, share the one StageServer registered on it.
         self.server = StageServer.for_router(server) if isinstance(server, Router) else server
         self.pool, self.directory = pool, directory
@@ -137,8 +142,9 @@ class StageService:
         except BaseException:
             self.server.remove(self)
             raise
-        self._tasks.spawn(self.executor.run(), "executor")
-        self._tasks.spawn(self.sync.run(), "sync")
+        name = f"{self.job_id.hex()[:16]}/{self.stage_index}"
+        self._tasks.spawn(self.supervisor.run(f"{name} executor", self.executor.run), "executor")
+        self._tasks.spawn(self.supervisor.run(f"{name} sync", self.sync.run), "sync")
         self.state = "serving"
 
     async def stop(self) -> None:
@@ -190,8 +196,14 @@ class StageService:
             self.state = "serving"
 
     def _build(self) -> None:
-        self.stage = build_stage(self.spec.model.config, self.stage_index, self.spec.pipeline.stages,
-                                 self.spec.seed, self.device)
+        precision = Precision(self.spec.compute.dtype)
+        precision.check(self.device)
+        if precision.scaled:  # unscaled fp16 gradients underflow: refuse until the LossScaler is wired in
+            raise PrecisionError("compute.dtype fp16: this stage peer does not scale losses yet (docs/models.md); "
+                                 "use bf16")
+        model = self.spec.model
+        self.stage = build_initial_stage(model.config, self.stage_index, self.spec.pipeline.stages, self.spec.seed,
+                                         self.device, model.init, model.init_digest)
         self.opt = StageOptimizer(self.stage, self.spec.optim, self.spec.steps)
         self.params = self.opt.params
         self.numel = sum(p.numel() for p in self.params)
@@ -204,7 +216,8 @@ class StageService:
 
             lane, workers = cuda_lane(self.device), 1  # one stream per stage: one thread feeds it
         self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.opt.step_count,
-                                    lambda: self._state_epoch, lane, lambda: self._previous)
+                                    lambda: self._state_epoch, lane, lambda: self._previous,
+                                    autocast=lambda: precision.autocast(self.device))
         self.executor = Executor(self.compute.run, self.limits, workers, f"stage{self.stage_index}")
 
     async def _join(self) -> None:

@@ -152,3 +152,32 @@ def test_stages_on_cuda_match_cpu_and_bf16_reference_runs_there(corpus):
     assert all(abs(p - q) <= 0.02 * p for p, q in zip(x, y))
     sample = gpu.generate(ids[:1, :4].cuda(), 8, temperature=0)
     assert sample.shape == (1, 12) and sample.device.type == "cuda"
+
+
+def test_an_overflow_skips_that_stage_alone_and_halves_its_scale(corpus, monkeypatch):
+    """The per-stage policy on CPU: fp16's arithmetic replaced by fp32 (autocast off, the device
+    check waived), and stage 1's backward made to overflow on step 0 only. Stage 1 skips its update
+    and halves its scale; stage 2 (after it) steps as usual; stage 0 (before it) steps on what it
+    received, zeros for the overflowed microbatches; step 1 is clean everywhere."""
+    monkeypatch.setattr(Precision, "check", lambda self, device: None)
+    monkeypatch.setattr(Precision, "autocast", lambda self, device: torch.autocast("cpu", enabled=False))
+    trainer = ReferenceTrainer.from_spec(spec(corpus, "fp16", loss_scale=1024.0), corpus.parent)
+    overflow = {"on": True}
+
+    def poison(module, inputs, output):
+        if overflow["on"]:
+            output.register_hook(lambda g: g * math.inf)
+
+    trainer.model.stages[1].register_forward_hook(poison)
+    before = [{k: v.clone() for k, v in s.state_dict().items()} for s in trainer.model.stages]
+    first = trainer.train_step()
+    norms = [r.grad_norm for r in first.reports]
+    assert math.isinf(norms[1]) and math.isfinite(norms[2]) and norms[2] > 0
+    assert norms[0] == 0.0  # every microbatch overflowed in stage 1: stage 0 was passed zeros only
+    assert [s.scale for s in trainer.scalers] == [1024.0, 512.0, 1024.0]
+    changed = [any(not torch.equal(v, before[i][k]) for k, v in s.state_dict().items())
+               for i, s in enumerate(trainer.model.stages)]
+    assert changed == [True, False, True]
+    assert all(opt.step_count == 1 for opt in trainer.optimizers)  # the step is committed everywhere
+    overflow["on"] = False
+    assert all(math.isfinite(r.grad_norm) for r in trainer.train_step().reports)
