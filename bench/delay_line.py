@@ -14,7 +14,10 @@ Arrival times are the kernel's receive timestamps, so a late wake-up here does n
 
     ip netns exec HUB python delay_line.py --port IFNAME=DELAY_MS ... [--limit-bytes N]
 
-Prints `ready` once every port is open; on SIGTERM prints one JSON line of counters and exits.
+Prints `ready` once every port is open. A line `IFNAME=DELAY_MS` on stdin changes that port's
+delay for the frames that arrive from then on (held ones keep their release time; a shorter delay
+may let new frames overtake them once, as a route change does) and is answered `ok`. On SIGTERM, or
+when stdin closes (its owner is gone), prints one JSON line of counters and exits.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ SOCKET_BUFFER_BYTES = 32 * 1024 * 1024
 # Releases within this much of their time go out in the same pass instead of after another sleep:
 # select's wake-up costs about as much.
 RELEASE_SLACK_NS = 50_000
+# Ten seconds one way is beyond any real path; a larger figure is a typo.
+MAX_DELAY_MS = 10_000
 
 
 class Stopped(Exception):
@@ -82,10 +87,22 @@ class DelayLine:
             timeout = None
             if self.heap:
                 timeout = max(0.0, (self.heap[0][0] - time.time_ns() - RELEASE_SLACK_NS) / 1e9)
-            readable, _, _ = select.select(self.socks, [], [], timeout)
+            readable, _, _ = select.select([*self.socks, sys.stdin], [], [], timeout)
             for sock in readable:
-                self._read(sock)
+                if sock is sys.stdin:
+                    self._command(sys.stdin.readline())
+                else:
+                    self._read(sock)
             self._release()
+
+    def _command(self, line: str) -> None:
+        if not line:
+            raise Stopped
+        name, delay = _port(line.strip())
+        if name not in self.names:
+            raise SystemExit(f"no port {name!r}: {self.names}")
+        self.delay_ns[self.names.index(name)] = int(delay * 1e6)
+        print("ok", flush=True)
 
     def _read(self, sock: socket.socket) -> None:
         port = self.index[sock.fileno()]
@@ -151,11 +168,12 @@ def _open_port(name: str) -> socket.socket:
 
 def _port(text: str) -> tuple[str, float]:
     name, _, ms = text.partition("=")
-    if not name or not ms:
-        raise argparse.ArgumentTypeError(f"expected IFNAME=DELAY_MS, got {text!r}")
-    delay = float(ms)
-    if not 0 <= delay <= 10_000:
-        raise argparse.ArgumentTypeError(f"delay {delay} ms is outside 0..10000")
+    try:
+        delay = float(ms)
+    except ValueError:
+        delay = float("nan")
+    if not name or not 0 <= delay <= MAX_DELAY_MS:
+        raise argparse.ArgumentTypeError(f"expected IFNAME=DELAY_MS with 0 <= DELAY_MS <= {MAX_DELAY_MS}, got {text!r}")
     return name, delay
 
 

@@ -99,6 +99,18 @@ class WanStar:
         """One of this script's probes in a peer's namespace; its JSON line."""
         return json.loads(self.run(peer, [sys.executable, __file__, *args], timeout))
 
+    def set_rtt(self, rtt_ms: float) -> None:
+        """Change every path's round trip in place, for frames sent from now on."""
+        if rtt_ms < 0:
+            raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms}")
+        for dev in self.hub_devices:
+            self.delay_line.stdin.write(f"{dev}={rtt_ms / 4}\n")
+            self.delay_line.stdin.flush()
+            answer = self.delay_line.stdout.readline().strip()
+            if answer != "ok":
+                raise RuntimeError(f"the delay line refused {dev}={rtt_ms / 4}: {answer!r}")
+        self.rtt_ms = rtt_ms
+
     def ping(self, src: int, dst: int, count: int) -> list[float]:
         """Round trips (ms) of `count` ICMP echoes after one that warms ARP up."""
         return self.probe(src, ["--ping", self.addr(dst), str(count + 1)], timeout=30 + count * 2)["rtt_ms"][1:]
@@ -195,7 +207,7 @@ def _start_delay_line(star: WanStar, limit_bytes: int | None) -> subprocess.Pope
         argv += ["--port", f"{dev}={one_way}"]
     if limit_bytes is not None:
         argv += ["--limit-bytes", str(limit_bytes)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     readable, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
     ready = proc.stdout.readline().strip() if readable else ""
     if ready != "ready":

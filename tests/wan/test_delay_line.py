@@ -72,3 +72,11 @@ def test_every_namespace_is_deleted_also_on_failure():
             raise RuntimeError("failure inside the block")
     assert not (set(star.namespaces) | {star.hub}) & _namespaces()
     assert star.delay_line.poll() is not None
+
+
+def test_the_round_trip_changes_in_place():
+    with wan_link.wan_star(peers=3, rtt_ms=20, rate_mbit=None) as star:
+        before = statistics.median(star.ping(0, 2, count=5))
+        star.set_rtt(60)
+        after = statistics.median(star.ping(2, 1, count=5))
+    assert abs(before - 20) <= 1 and abs(after - 60) <= 3, (before, after)
