@@ -1,0 +1,246 @@
+"""The pipeline at latency: a real swarm whose every daemon sits behind its own delayed link,
+samples/s against RTT and microbatches in flight, beside the overlap model's prediction.
+
+    sudo .venv/bin/python bench/wan_pipeline.py [--quick] [--rtts 0,50,100,200] [--in-flight 1,4,16]
+
+One trainer daemon and `--stages` stage daemons (one peer each), each in its own network namespace
+of a bench/wan_link.py star: `--rate` Mb/s both ways on every link and the same round trip between
+any two daemons. The round trip is changed in place between points (the delay line's ports), so
+one warm swarm serves the whole sweep; each (RTT, in-flight) point is a job of its own (a tiny
+byte-level transformer, `microbatches_in_flight` set), `--warmup-steps` steps and then
+`--steps` measured from the trainer's step events: samples/s is global samples × steps over the
+time between the first and the last measured commit.
+
+The model (`step_seconds`) is square_cube.py's closed-pipeline overlap model widened to a whole
+step: a microbatch is a chain of 2S-1 RPCs (forwards, the last stage's forward+backward, backwards),
+each costing one RTT on top of its work; with k in flight, the step's microbatch phase is the larger
+of ceil(M/k) chains and the busiest resource's M services plus the pipeline's fill (one chain); then
+every stage's commit is polled, one stage.info round trip per stage in turn, after the commit's own
+work. Its three constants are measured in this run at RTT 0, where no latency hides anything: the
+chain's work (from k = 1), the busiest resource's time per microbatch (from the largest k) and the
+commit's (the value that fits the middle k). For this tiny model the bytes' transfer time (a few KB
+per call at 200 Mb/s, tens of microseconds) is inside the chain's work. The RTT-0 rows are therefore
+the calibration; every other row is a prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+sys.path.insert(0, str(BENCH.parent))
+
+from swarmd.client import Client  # noqa: E402
+from swarmd.swarmproc import FAST_ENV, LocalSwarm, SwarmSettings, install_signal_handlers  # noqa: E402
+
+
+def _load_bench(name: str, filename: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pipeline = _load_bench("swarmd_bench_pipeline", "pipeline.py")
+wan_link = _load_bench("swarmd_bench_wan_link", "wan_link.py")
+
+#: The job: small enough that two cores shared with other work keep up, so latency is what shows.
+JOB = {"d_model": 32, "n_heads": 2, "layers_per_stage": 1, "seq_len": 16, "global_samples": 16,
+       "microbatch_samples": 1, "codec": "fp16+lz4", "seed": 0}
+RTTS_MS = (0, 50, 100, 200)
+IN_FLIGHT = (1, 4, 16)
+#: How long a job may take to reach its last measured step before the point is given up.
+POINT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the model takes from the RTT-0 points: seconds per microbatch of the chain's serial work,
+    of the busiest resource, and of a step's commit."""
+
+    chain_s: float
+    busy_s: float
+    commit_s: float
+
+
+def predict(cal: Calibration, rtt_s: float, in_flight: int, microbatches: int, stages: int,
+            global_samples: int) -> float:
+    """Samples/s at this RTT and in-flight count (see the module's docstring)."""
+    return global_samples / step_seconds(cal, rtt_s, in_flight, microbatches, stages)
+
+
+def step_seconds(cal: Calibration, rtt_s: float, in_flight: int, microbatches: int, stages: int) -> float:
+    """A step: the microbatch phase, then the commit polls. In the phase, each of ceil(M/k) rounds of
+    k microbatches costs a chain; and however many are in flight, the busiest resource serves the M
+    microbatches one after another, the first of them only after a whole chain (the pipeline's fill),
+    hence M×busy + chain - busy."""
+    chain = cal.chain_s + (2 * stages - 1) * rtt_s
+    fill_and_serve = microbatches * cal.busy_s + chain - cal.busy_s
+    phase = max(fill_and_serve, math.ceil(microbatches / in_flight) * chain)
+    return phase + cal.commit_s + stages * rtt_s
+
+
+def calibrate(zero: dict[int, float], microbatches: int, stages: int, global_samples: int) -> Calibration:
+    """The three unknowns from the RTT-0 steps: k = 1 pins chain + commit/M, the largest k pins
+    chain + (M-1)×busy + commit, and the commit is the one that makes the model meet the middle k(s)
+    best (searched on a grid; with only two k it is taken as zero)."""
+    step = {k: global_samples / rate for k, rate in sorted(zero.items())}
+    lo, hi = min(step), max(step)
+    middle = [k for k in step if k not in (lo, hi)]
+
+    def solve(commit: float) -> Calibration:
+        chain = max(0.0, (step[lo] - commit) / math.ceil(microbatches / lo))
+        busy = max(0.0, (step[hi] - commit - chain) / max(1, microbatches - 1))
+        return Calibration(chain_s=chain, busy_s=busy, commit_s=commit)
+
+    def error(cal: Calibration) -> float:
+        return sum(abs(step_seconds(cal, 0.0, k, microbatches, stages) / step[k] - 1) for k in middle)
+
+    grid = [step[hi] * i / 200 for i in range(200)] if middle else [0.0]
+    return min((solve(c) for c in grid), key=error)
+
+
+# ------------------------------------------------------------------------------------- the run
+
+
+def job_args(stages: int, in_flight: int) -> argparse.Namespace:
+    return argparse.Namespace(**JOB, stages=stages, in_flight=in_flight)
+
+
+async def measure_point(trainer, servers, stages: int, rtt_ms: float, in_flight: int, warmup: int,
+                        steps: int) -> dict[str, Any]:
+    # A job's id is its spec's hash: the name keeps each point's job apart from the cancelled ones.
+    raw = {**pipeline.job_dict(job_args(stages, in_flight), warmup + steps + 1000),
+           "name": f"wan-rtt{rtt_ms:g}-k{in_flight}"}
+    async with Client(trainer.socket) as client:
+        job = (await client.submit(raw, [], trainers=1))["job"]
+    run = pipeline.SwarmRun()
+    await asyncio.gather(*(pipeline.serve_stage(peer, job, i) for i, peer in enumerate(servers)))
+    async with asyncio.TaskGroup() as tg:
+        follower = tg.create_task(pipeline.follow(trainer, job, run))
+        try:
+            await pipeline.wait_steps(run, warmup + steps, POINT_TIMEOUT_S)
+        finally:
+            follower.cancel()
+    async with Client(trainer.socket) as client:
+        await client.cancel(job)
+    commits = dict(sorted((int(e["step"]), float(e["ts"])) for e in run.events if e.get("kind") == "step"))
+    times = [commits[s] for s in range(warmup, warmup + steps + 1)]
+    rate = steps * JOB["global_samples"] / (times[-1] - times[0])
+    return {"in_flight": in_flight, "measured_samples_per_s": round(rate, 3),
+            "step_s": [round(b - a, 3) for a, b in zip(times, times[1:])]}
+
+
+def sweep(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    rows, started = [], time.monotonic()
+    settings = SwarmSettings(log_level="warning", env={**FAST_ENV, **pipeline.PINNED_ENV})
+    with wan_link.wan_star(peers=1 + args.stages, rtt_ms=0, rate_mbit=args.rate) as star:
+        with LocalSwarm(root, settings) as swarm:
+            trainer = swarm.spawn(host=star.addr(0), netns=star.namespaces[0])
+            servers = [swarm.spawn(bootstrap=(trainer.address,), host=star.addr(i), netns=star.namespaces[i])
+                       for i in range(1, 1 + args.stages)]
+            swarm.wait_ready([trainer, *servers])
+            startup_s = time.monotonic() - started
+            for rtt in args.rtts:
+                star.set_rtt(rtt)
+                for k in args.in_flight:
+                    row = asyncio.run(measure_point(trainer, servers, args.stages, rtt, k, args.warmup_steps,
+                                                    args.steps))
+                    rows.append({"rtt_ms": rtt, **row})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"rows": rows, "startup_s": round(startup_s, 1), "delay_line": star.delay_stats}
+
+
+def with_predictions(rows: list[dict], stages: int) -> tuple[list[dict], dict]:
+    gs = JOB["global_samples"]
+    microbatches = gs // JOB["microbatch_samples"]
+    zero = {r["in_flight"]: r["measured_samples_per_s"] for r in rows if r["rtt_ms"] == 0}
+    cal = calibrate(zero, microbatches, stages, gs)
+    for r in rows:
+        r["predicted_samples_per_s"] = round(predict(cal, r["rtt_ms"] / 1000, r["in_flight"], microbatches,
+                                                    stages, gs), 3)
+        r["predicted_over_measured"] = round(r["predicted_samples_per_s"] / r["measured_samples_per_s"], 3)
+    return rows, {k: round(v, 5) for k, v in vars(cal).items()}
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in sorted({r["in_flight"] for r in rows}):
+        mine = sorted((r for r in rows if r["in_flight"] == k), key=lambda r: r["rtt_ms"])
+        xs = [r["rtt_ms"] for r in mine]
+        line, = ax.plot(xs, [r["measured_samples_per_s"] for r in mine], "o-", label=f"measured, {k} in flight")
+        ax.plot(xs, [r["predicted_samples_per_s"] for r in mine], "x--", color=line.get_color(),
+                label=f"model, {k} in flight")
+    ax.set_xlabel("round trip between daemons (ms)")
+    ax.set_ylabel("samples/s")
+    ax.set_yscale("log")
+    ax.set_title("swarm behind delayed links: measured vs overlap model")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(","))
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative integers, got {text!r}")
+    return values
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="RTT 0 and 100 only, 3 measured steps")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=200.0, help="Mb/s of every link, each way")
+    parser.add_argument("--rtts", type=_ints, default=RTTS_MS, help="ms, comma-separated; must include 0")
+    parser.add_argument("--in-flight", type=_ints, default=IN_FLIGHT)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per point")
+    parser.add_argument("--png", type=Path, default=BENCH / "out" / "wan_pipeline.png")
+    args = parser.parse_args()
+    if args.quick:
+        args.rtts, args.steps = (0, 100), 3
+    if 0 not in args.rtts or min(args.in_flight) < 1 or args.stages < 2 or args.steps < 2:
+        parser.error("--rtts must include 0 (the calibration), in-flight >= 1, stages >= 2, steps >= 2")
+    reason = wan_link.unavailable_reason()
+    if reason is not None:
+        print(json.dumps({"bench": "wan_pipeline", "skipped": reason}))
+        return 0
+    install_signal_handlers()
+    with tempfile.TemporaryDirectory(prefix="swarmd-wan-pipeline-") as tmp:
+        result = sweep(args, Path(tmp))
+    rows, cal = with_predictions(result["rows"], args.stages)
+    worst = max(abs(r["predicted_over_measured"] - 1) for r in rows)
+    report = {"bench": "wan_pipeline", "stages": args.stages, "rate_mbps": args.rate, "job": JOB,
+              "calibration": cal, "latency": rows, "worst_prediction_error": round(worst, 3),
+              "png": str(plot(rows, args.png)), "startup_s": result["startup_s"],
+              "delay_line": result["delay_line"], "load_average_1m": round(os.getloadavg()[0], 2)}
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
