@@ -170,11 +170,18 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="swarmd-scale-") as tmp:
         for n in args.daemons:
-            rows[str(n)] = one_size(n, args, Path(tmp))
+            try:
+                rows[str(n)] = one_size(n, args, Path(tmp))
+            except SwarmError as exc:  # e.g. too little memory for N daemons: said, and the next size tried
+                rows[str(n)] = {"daemons": n, "error": f"SwarmError: {str(exc)[:500]}"}
             print(json.dumps(rows[str(n)]), file=sys.stderr, flush=True)
-    smallest, largest = str(min(args.daemons)), str(max(args.daemons))
-    growth = rows[largest]["control_bytes_per_s"] / rows[smallest]["control_bytes_per_s"]
-    return {"daemons": rows, f"control_growth_{smallest}_to_{largest}": round(growth, 3),
+    measured = [n for n in sorted(args.daemons) if "control_bytes_per_s" in rows[str(n)]]
+    growth = {}
+    if len(measured) >= 2:
+        smallest, largest = str(measured[0]), str(measured[-1])
+        ratio = rows[largest]["control_bytes_per_s"] / rows[smallest]["control_bytes_per_s"]
+        growth[f"control_growth_{smallest}_to_{largest}"] = round(ratio, 3)
+    return {"daemons": rows, **growth,
             "exact": all(r.get("exact", False) for r in rows.values()) if args.churn > 0 else None}
 
 

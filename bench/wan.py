@@ -88,12 +88,20 @@ def latency(quick: bool) -> list[dict]:
 def scale(daemons: str, quick: bool) -> dict:
     argv = ["--daemons", daemons] + (["--idle", "10", "--churn", "40"] if quick else [])
     report = sub_bench("swarm_scale.py", argv)
-    rows = {n: {"control_bytes_per_s": r["control_bytes_per_s"], "rss_mb": r.get("rss_mb_max"),
+    rows = {n: {"control_bytes_per_s": r.get("control_bytes_per_s"), "rss_mb": r.get("rss_mb_max"),
                 "step_s": r.get("step_s"), **({"error": r["error"]} if "error" in r else {})}
             for n, r in report["daemons"].items()}
     growth = {k: v for k, v in report.items() if k.startswith("control_growth_")}
     return {"daemons": rows, "control_growth_8_to_32": growth.get("control_growth_8_to_32"), **growth,
             "exact": report["exact"]}
+
+
+def _or_error(part, *args):
+    """A part that fails leaves its error in the report instead of taking the others with it."""
+    try:
+        return part(*args)
+    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
 
 
 def main() -> int:
@@ -106,10 +114,10 @@ def main() -> int:
     report: dict = {}
     if reason is None:
         report["emulator"] = emulator()
-        report["latency"] = latency(args.quick)
+        report["latency"] = _or_error(latency, args.quick)
     else:
         report["emulator"], report["latency"], report["skipped"] = None, None, reason
-    report["scale"] = None if args.no_scale else scale(args.scale_daemons, args.quick)
+    report["scale"] = None if args.no_scale else _or_error(scale, args.scale_daemons, args.quick)
     print(json.dumps(report, indent=1))
     return 0
 

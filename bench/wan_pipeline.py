@@ -17,8 +17,8 @@ each costing one RTT on top of its work; with k in flight, the step's microbatch
 of ceil(M/k) chains and the busiest resource's M services plus the pipeline's fill (one chain); then
 every stage's commit is polled, one stage.info round trip per stage in turn, after the commit's own
 work. Its three constants are measured in this run at RTT 0, where no latency hides anything: the
-chain's work (from k = 1), the busiest resource's time per microbatch (from the largest k) and the
-commit's (the value that fits the middle k). For this tiny model the bytes' transfer time (a few KB
+chain's work, the busiest resource's time per microbatch and the commit's, the values that fit
+the RTT-0 steps at every k best (`calibrate`). For this tiny model the bytes' transfer time (a few KB
 per call at 200 Mb/s, tens of microseconds) is inside the chain's work. The RTT-0 rows are therefore
 the calibration; every other row is a prediction.
 """
@@ -64,6 +64,11 @@ JOB = {"d_model": 32, "n_heads": 2, "layers_per_stage": 1, "seq_len": 16, "globa
        "microbatch_samples": 1, "codec": "fp16+lz4", "seed": 0}
 RTTS_MS = (0, 50, 100, 200)
 IN_FLIGHT = (1, 4, 16)
+#: Points per axis of the calibration's grid search (chain x commit).
+CALIBRATION_GRID = 100
+#: The RTT-0 points are the calibration and the noisiest (every hop waits for a busy core): they
+#: get this many times the measured steps (their steps are short).
+CALIBRATION_STEPS_FACTOR = 3
 #: How long a job may take to reach its last measured step before the point is given up.
 POINT_TIMEOUT_S = 600.0
 
@@ -96,23 +101,24 @@ def step_seconds(cal: Calibration, rtt_s: float, in_flight: int, microbatches: i
 
 
 def calibrate(zero: dict[int, float], microbatches: int, stages: int, global_samples: int) -> Calibration:
-    """The three unknowns from the RTT-0 steps: k = 1 pins chain + commit/M, the largest k pins
-    chain + (M-1)×busy + commit, and the commit is the one that makes the model meet the middle k(s)
-    best (searched on a grid; with only two k it is taken as zero)."""
+    """The three constants that make the model meet the RTT-0 steps best, worst relative error
+    first. The largest k pins the busiest resource given the other two; the chain and the commit
+    are searched on a grid (the RTT-0 runs are the noisiest here: every hop of a lone microbatch
+    waits for a busy core, so the fit spreads that noise instead of trusting k = 1 alone)."""
     step = {k: global_samples / rate for k, rate in sorted(zero.items())}
-    lo, hi = min(step), max(step)
-    middle = [k for k in step if k not in (lo, hi)]
+    hi = max(step)
+    chain_top = 1.5 * step[min(step)] / math.ceil(microbatches / min(step))
 
-    def solve(commit: float) -> Calibration:
-        chain = max(0.0, (step[lo] - commit) / math.ceil(microbatches / lo))
+    def solve(chain: float, commit: float) -> Calibration:
         busy = max(0.0, (step[hi] - commit - chain) / max(1, microbatches - 1))
         return Calibration(chain_s=chain, busy_s=busy, commit_s=commit)
 
     def error(cal: Calibration) -> float:
-        return sum(abs(step_seconds(cal, 0.0, k, microbatches, stages) / step[k] - 1) for k in middle)
+        return max(abs(step_seconds(cal, 0.0, k, microbatches, stages) / step[k] - 1) for k in step)
 
-    grid = [step[hi] * i / 200 for i in range(200)] if middle else [0.0]
-    return min((solve(c) for c in grid), key=error)
+    grid = [solve(chain_top * i / CALIBRATION_GRID, step[hi] * j / CALIBRATION_GRID)
+            for i in range(1, CALIBRATION_GRID + 1) for j in range(CALIBRATION_GRID)]
+    return min(grid, key=error)
 
 
 # ------------------------------------------------------------------------------------- the run
@@ -159,8 +165,8 @@ def sweep(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for rtt in args.rtts:
                 star.set_rtt(rtt)
                 for k in args.in_flight:
-                    row = asyncio.run(measure_point(trainer, servers, args.stages, rtt, k, args.warmup_steps,
-                                                    args.steps))
+                    steps = args.steps * (CALIBRATION_STEPS_FACTOR if rtt == 0 else 1)
+                    row = asyncio.run(measure_point(trainer, servers, args.stages, rtt, k, args.warmup_steps, steps))
                     rows.append({"rtt_ms": rtt, **row})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {"rows": rows, "startup_s": round(startup_s, 1), "delay_line": star.delay_stats}
