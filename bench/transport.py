@@ -410,6 +410,8 @@ LATENCY_RATES_MBIT = (50, 200)
 LATENCY_WARMUP_S = 2.0
 LATENCY_MEASURE_S = 5.0
 LATENCY_CALLS = 30
+# ICMP round trips that give the link's own RTT, the baseline of the small-call latency.
+LATENCY_PINGS = 20
 
 
 async def wan_client(host: str, rpc_port: int, rate_mbit: float, quick: bool) -> dict:
@@ -456,7 +458,7 @@ def bench_latency(quick: bool) -> tuple[list | None, str | None]:
 
 
 def _latency_row(star, rtt_ms: float, rate_mbit: float, quick: bool) -> dict:
-    ping_ms = statistics.median(star.ping(1, 0, count=10))
+    ping_ms = statistics.median(star.ping(1, 0, count=LATENCY_PINGS))
     rpc, port = start_helper(["--serve-rpc", star.addr(0), "0"], star.exec_prefix(0))
     try:
         argv = [sys.executable, __file__, "--wan-client", star.addr(0), str(port), str(rate_mbit), str(int(quick))]
