@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -40,7 +39,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 sys.path.insert(0, str(BENCH.parent))
 
 from swarmd.client import Client, ControlError, DaemonUnavailable  # noqa: E402
-from swarmd.swarmproc import FAST_ENV, LocalSwarm, PeerProcess, SwarmError, SwarmSettings, install_signal_handlers  # noqa: E402
+from swarmd.swarmproc import (FAST_ENV, LocalSwarm, PeerProcess, SwarmError, SwarmSettings,  # noqa: E402
+                              install_signal_handlers)
 
 STAGES = 8
 TRAINERS = 2
@@ -56,7 +56,8 @@ JOB = {
     "checkpoint": {"every_steps": 0},
 }
 ENV = {**FAST_ENV, "SWARMD_JOBS_SERVE": "all"}
-#: A step that takes longer than this with every stage served means the swarm is stuck.
+#: The warm-up steps not committed within this (daemons joining stages on their own, on a busy
+#: machine) mean the swarm is stuck.
 WARMUP_TIMEOUT_S = 600.0
 
 
@@ -190,11 +191,11 @@ def main() -> int:
     parser.add_argument("--daemons", type=_ints, default=(8, 16, 32))
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after start-up before the idle window")
     parser.add_argument("--idle", type=float, default=20.0)
-    parser.add_argument("--churn", type=float, default=60.0, help="seconds of the training window; 0: no job")
+    parser.add_argument("--churn", type=float, default=180.0, help="seconds of the training window; 0: no job")
     parser.add_argument("--kill-every", type=float, default=20.0)
     parser.add_argument("--warmup-steps", type=int, default=3)
     args = parser.parse_args()
-    if min(args.daemons) < STAGES + 1 - 1 or len(args.daemons) < 2:
+    if min(args.daemons) < STAGES or len(args.daemons) < 2:
         parser.error(f"need at least two sizes of at least {STAGES} daemons (one per stage)")
     install_signal_handlers()
     print(json.dumps({"bench": "swarm_scale", **scale(args)}, indent=1))

@@ -68,6 +68,8 @@ def unavailable_reason() -> str | None:
 
 @dataclass
 class WanStar:
+    """One built star: the names its owner needs to run things inside it and to change it."""
+
     hub: str
     namespaces: list[str]
     devices: list[str]
