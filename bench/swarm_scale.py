@@ -97,8 +97,16 @@ async def step_events(trainer: PeerProcess, job: str, events: list[dict]) -> Non
 
 
 def exact(event: dict) -> bool:
+    """Every stage summed exactly the global batch, with no microbatch counted twice. A stage whose
+    peers reported no record of the step (-1) makes it unverified, so not exact either."""
     return (all(s == JOB["batch"]["global_samples"] for s in event.get("stage_samples", []))
             and not any(event.get("duplicates", [])))
+
+
+def inexact(events: list[dict], limit: int = 5) -> list[dict]:
+    """The first few steps that were not exact, as their events gave them: the evidence."""
+    return [{"step": e["step"], "stage_samples": e.get("stage_samples"), "duplicates": e.get("duplicates")}
+            for e in events if not exact(e)][:limit]
 
 
 async def train_with_churn(swarm: LocalSwarm, daemons: list[PeerProcess], args: argparse.Namespace) -> dict:
@@ -138,6 +146,7 @@ async def train_with_churn(swarm: LocalSwarm, daemons: list[PeerProcess], args: 
     steps = [b[1] - a[1] for a, b in zip(commits, commits[1:])]
     return {"step_s": round(statistics.median(steps), 3) if steps else None, "steps_in_window": len(commits),
             "exact": all(exact(e) for e in events), "step_events": len(events), "kills": kills,
+            "inexact_steps": inexact(events),
             "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
             "training_bytes_per_s_median": round(statistics.median(per_daemon_rate(before, after, seconds)), 1)}
 
