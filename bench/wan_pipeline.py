@@ -8,8 +8,8 @@ of a bench/wan_link.py star: `--rate` Mb/s both ways on every link and the same 
 any two daemons. The round trip is changed in place between points (the delay line's ports), so
 one warm swarm serves the whole sweep; each (RTT, in-flight) point is a job of its own (a tiny
 byte-level transformer, `microbatches_in_flight` set), `--warmup-steps` steps and then
-`--steps` measured from the trainer's step events: samples/s is global samples × steps over the
-time between the first and the last measured commit.
+at least `--steps` (and at least MIN_WINDOW_S) measured from the trainer's step events: samples/s is
+global samples × steps over the time between the first and the last measured commit.
 
 The model (`step_seconds`) is square_cube.py's closed-pipeline overlap model widened to a whole
 step: a microbatch is a chain of 2S-1 RPCs (forwards, the last stage's forward+backward, backwards),
@@ -66,9 +66,10 @@ RTTS_MS = (0, 50, 100, 200)
 IN_FLIGHT = (1, 4, 16)
 #: Points per axis of the calibration's grid search (chain x commit).
 CALIBRATION_GRID = 100
-#: The RTT-0 points are the calibration and the noisiest (every hop waits for a busy core): they
-#: get this many times the measured steps (their steps are short).
-CALIBRATION_STEPS_FACTOR = 3
+#: A point's measured window lasts at least `--steps` steps and at least this long: short steps
+#: (RTT 0, 16 in flight: ~0.2 s) are noisy one by one on a shared machine, and 4 of them measured
+#: 0.8-1.2x of each other's rate from run to run.
+MIN_WINDOW_S = 10.0
 #: How long a job may take to reach its last measured step before the point is given up.
 POINT_TIMEOUT_S = 600.0
 
@@ -140,13 +141,19 @@ async def measure_point(trainer, servers, stages: int, rtt_ms: float, in_flight:
     async with asyncio.TaskGroup() as tg:
         follower = tg.create_task(pipeline.follow(trainer, job, run))
         try:
+            await pipeline.wait_steps(run, warmup, POINT_TIMEOUT_S)
+            window_start = time.time()
             await pipeline.wait_steps(run, warmup + steps, POINT_TIMEOUT_S)
+            await asyncio.sleep(max(0.0, window_start + MIN_WINDOW_S - time.time()))
+            last = run.committed_by(time.time())
+            await pipeline.wait_steps(run, last + 1, POINT_TIMEOUT_S)  # the window ends on a commit
         finally:
             follower.cancel()
     async with Client(trainer.socket) as client:
         await client.cancel(job)
     commits = dict(sorted((int(e["step"]), float(e["ts"])) for e in run.events if e.get("kind") == "step"))
-    times = [commits[s] for s in range(warmup, warmup + steps + 1)]
+    times = [commits[s] for s in range(warmup, max(commits) + 1)]
+    steps = len(times) - 1
     rate = steps * JOB["global_samples"] / (times[-1] - times[0])
     return {"in_flight": in_flight, "measured_samples_per_s": round(rate, 3),
             "step_s": [round(b - a, 3) for a, b in zip(times, times[1:])]}
@@ -165,8 +172,8 @@ def sweep(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for rtt in args.rtts:
                 star.set_rtt(rtt)
                 for k in args.in_flight:
-                    steps = args.steps * (CALIBRATION_STEPS_FACTOR if rtt == 0 else 1)
-                    row = asyncio.run(measure_point(trainer, servers, args.stages, rtt, k, args.warmup_steps, steps))
+                    row = asyncio.run(measure_point(trainer, servers, args.stages, rtt, k, args.warmup_steps,
+                                                    args.steps))
                     rows.append({"rtt_ms": rtt, **row})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {"rows": rows, "startup_s": round(startup_s, 1), "delay_line": star.delay_stats}
