@@ -18,7 +18,10 @@ of ceil(M/k) chains and the busiest resource's M services plus the pipeline's fi
 every stage's commit is polled, one stage.info round trip per stage in turn, after the commit's own
 work. Its three constants are measured in this run at RTT 0, where no latency hides anything: the
 chain's work, the busiest resource's time per microbatch and the commit's, the values that fit
-the RTT-0 steps at every k best (`calibrate`). For this tiny model the bytes' transfer time (a few KB
+the RTT-0 steps at every k best (`calibrate`). Each RTT's points are measured right after a block
+of RTT-0 points of their own and predicted from those: on a machine shared with other work the
+load drifts in minutes, and one calibration at the start carried an early load spike into every
+prediction (25% off in one run, against 7% in the next). For this tiny model the bytes' transfer time (a few KB
 per call at 200 Mb/s, tens of microseconds) is inside the chain's work. The RTT-0 rows are therefore
 the calibration; every other row is a prediction.
 """
@@ -169,26 +172,32 @@ def sweep(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                        for i in range(1, 1 + args.stages)]
             swarm.wait_ready([trainer, *servers])
             startup_s = time.monotonic() - started
-            for rtt in args.rtts:
-                star.set_rtt(rtt)
-                for k in args.in_flight:
-                    row = asyncio.run(measure_point(trainer, servers, args.stages, rtt, k, args.warmup_steps,
-                                                    args.steps))
-                    rows.append({"rtt_ms": rtt, **row})
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for block, rtt in enumerate(r for r in args.rtts if r != 0):
+                for point_rtt in (0, rtt):  # each RTT right after its own calibration: load drifts
+                    star.set_rtt(point_rtt)
+                    for k in args.in_flight:
+                        row = asyncio.run(measure_point(trainer, servers, args.stages, point_rtt, k,
+                                                        args.warmup_steps, args.steps))
+                        rows.append({"block": block, "rtt_ms": point_rtt, **row})
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {"rows": rows, "startup_s": round(startup_s, 1), "delay_line": star.delay_stats}
 
 
-def with_predictions(rows: list[dict], stages: int) -> tuple[list[dict], dict]:
+def with_predictions(rows: list[dict], stages: int) -> tuple[list[dict], list[dict]]:
+    """Each block's rows predicted from that block's own RTT-0 points (measured just before)."""
     gs = JOB["global_samples"]
     microbatches = gs // JOB["microbatch_samples"]
-    zero = {r["in_flight"]: r["measured_samples_per_s"] for r in rows if r["rtt_ms"] == 0}
-    cal = calibrate(zero, microbatches, stages, gs)
-    for r in rows:
-        r["predicted_samples_per_s"] = round(predict(cal, r["rtt_ms"] / 1000, r["in_flight"], microbatches,
-                                                    stages, gs), 3)
-        r["predicted_over_measured"] = round(r["predicted_samples_per_s"] / r["measured_samples_per_s"], 3)
-    return rows, {k: round(v, 5) for k, v in vars(cal).items()}
+    calibrations = []
+    for block in sorted({r["block"] for r in rows}):
+        mine = [r for r in rows if r["block"] == block]
+        zero = {r["in_flight"]: r["measured_samples_per_s"] for r in mine if r["rtt_ms"] == 0}
+        cal = calibrate(zero, microbatches, stages, gs)
+        calibrations.append({"block": block, **{k: round(v, 5) for k, v in vars(cal).items()}})
+        for r in mine:
+            r["predicted_samples_per_s"] = round(predict(cal, r["rtt_ms"] / 1000, r["in_flight"], microbatches,
+                                                        stages, gs), 3)
+            r["predicted_over_measured"] = round(r["predicted_samples_per_s"] / r["measured_samples_per_s"], 3)
+    return rows, calibrations
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -199,10 +208,14 @@ def plot(rows: list[dict], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k in sorted({r["in_flight"] for r in rows}):
-        mine = sorted((r for r in rows if r["in_flight"] == k), key=lambda r: r["rtt_ms"])
-        xs = [r["rtt_ms"] for r in mine]
-        line, = ax.plot(xs, [r["measured_samples_per_s"] for r in mine], "o-", label=f"measured, {k} in flight")
-        ax.plot(xs, [r["predicted_samples_per_s"] for r in mine], "x--", color=line.get_color(),
+        xs = sorted({r["rtt_ms"] for r in rows if r["in_flight"] == k})
+
+        def mean(key: str, rtt: float) -> float:  # RTT 0 was measured once per block
+            values = [r[key] for r in rows if r["in_flight"] == k and r["rtt_ms"] == rtt]
+            return sum(values) / len(values)
+
+        line, = ax.plot(xs, [mean("measured_samples_per_s", x) for x in xs], "o-", label=f"measured, {k} in flight")
+        ax.plot(xs, [mean("predicted_samples_per_s", x) for x in xs], "x--", color=line.get_color(),
                 label=f"model, {k} in flight")
     ax.set_xlabel("round trip between daemons (ms)")
     ax.set_ylabel("samples/s")
@@ -236,8 +249,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.rtts, args.steps = (0, 100), 3
-    if 0 not in args.rtts or min(args.in_flight) < 1 or args.stages < 2 or args.steps < 2:
-        parser.error("--rtts must include 0 (the calibration), in-flight >= 1, stages >= 2, steps >= 2")
+    if 0 not in args.rtts or len(args.rtts) < 2 or min(args.in_flight) < 1 or args.stages < 2 or args.steps < 2:
+        parser.error("--rtts must include 0 (the calibration) and another; in-flight >= 1; steps, stages >= 2")
     reason = wan_link.unavailable_reason()
     if reason is not None:
         print(json.dumps({"bench": "wan_pipeline", "skipped": reason}))
@@ -245,10 +258,10 @@ def main() -> int:
     install_signal_handlers()
     with tempfile.TemporaryDirectory(prefix="swarmd-wan-pipeline-") as tmp:
         result = sweep(args, Path(tmp))
-    rows, cal = with_predictions(result["rows"], args.stages)
+    rows, calibrations = with_predictions(result["rows"], args.stages)
     worst = max(abs(r["predicted_over_measured"] - 1) for r in rows)
     report = {"bench": "wan_pipeline", "stages": args.stages, "rate_mbps": args.rate, "job": JOB,
-              "calibration": cal, "latency": rows, "worst_prediction_error": round(worst, 3),
+              "calibrations": calibrations, "latency": rows, "worst_prediction_error": round(worst, 3),
               "png": str(plot(rows, args.png)), "startup_s": result["startup_s"],
               "delay_line": result["delay_line"], "load_average_1m": round(os.getloadavg()[0], 2)}
     print(json.dumps(report, indent=1))
