@@ -133,10 +133,10 @@ def job_args(stages: int, in_flight: int) -> argparse.Namespace:
 
 
 async def measure_point(trainer, servers, stages: int, rtt_ms: float, in_flight: int, warmup: int,
-                        steps: int) -> dict[str, Any]:
+                        steps: int, block: int) -> dict[str, Any]:
     # A job's id is its spec's hash: the name keeps each point's job apart from the cancelled ones.
     raw = {**pipeline.job_dict(job_args(stages, in_flight), warmup + steps + 1000),
-           "name": f"wan-rtt{rtt_ms:g}-k{in_flight}"}
+           "name": f"wan-b{block}-rtt{rtt_ms:g}-k{in_flight}"}
     async with Client(trainer.socket) as client:
         job = (await client.submit(raw, [], trainers=1))["job"]
     run = pipeline.SwarmRun()
@@ -177,7 +177,7 @@ def sweep(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     star.set_rtt(point_rtt)
                     for k in args.in_flight:
                         row = asyncio.run(measure_point(trainer, servers, args.stages, point_rtt, k,
-                                                        args.warmup_steps, args.steps))
+                                                        args.warmup_steps, args.steps, block))
                         rows.append({"block": block, "rtt_ms": point_rtt, **row})
                         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {"rows": rows, "startup_s": round(startup_s, 1), "delay_line": star.delay_stats}
