@@ -9,7 +9,8 @@ Gathers three measurements into one JSON object (needs root for the first two):
   rate limit, i.e. the most the userspace delay line carries here; beside them one stream over
   100 ms / 200 Mb/s as a fraction of the rate and the window-limited rate with a 64 KiB buffer.
 - latency: bench/wan_pipeline.py's rows, a real swarm behind delayed links, samples/s measured and
-  predicted by the overlap model, for RTT × microbatches in flight.
+  predicted by the overlap model, for RTT × microbatches in flight (RTT 0, the calibration, once
+  before each other RTT, so it appears once per RTT).
 - scale: bench/swarm_scale.py's rows, per-daemon control bytes/s, RSS and step time at each size,
   the growth of control traffic from the smallest to the largest size, and whether every step of
   the churned job was exact. `control_growth_8_to_32` is null when 32 daemons were not run (the
