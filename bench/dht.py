@@ -12,6 +12,12 @@ workload. Prints one JSON object: `runs` (one entry per impl x nodes x failure) 
 
     .venv/bin/python bench/dht.py            # full: N=64 and 256, 200 keys x 5 writers
     .venv/bin/python bench/dht.py --quick    # N=32, 40 keys: a smoke run of the same code
+
+`latency` rows: the 64-node killed and frozen settings again with every call crossing a 100 ms
+round trip (50 ms each way, as bench/wan_link.py gives a pair of peers), on the in-memory fabric
+(swarmd.dht.simulation) under a virtual clock, so the figures are the protocol's and not this
+machine's load; the same swarm with no latency is the baseline of the same run. A frozen peer on
+the fabric, as on a socket, answers nothing and costs the caller its call timeout.
 """
 
 from __future__ import annotations
@@ -273,6 +279,62 @@ async def one_run(impl: str, nodes: int, failure: str, keys: int, writers: int, 
     }
 
 
+# ------------------------------------------------------------------ latency (in-memory fabric)
+
+LATENCY_RTT_S = 0.1
+
+
+def latency_run(nodes: int, failure: str, keys: int, writers: int, one_way_s: float, seed: int) -> dict:
+    """One swarm on the in-memory fabric with a fixed one-way delay, in virtual time."""
+    from swarmd.clock import VirtualClock, run_virtual
+
+    clock = VirtualClock()
+    return run_virtual(_latency_swarm(clock, nodes, failure, keys, writers, one_way_s, seed), clock)
+
+
+async def _latency_swarm(clock, nodes: int, failure: str, keys: int, writers: int, one_way_s: float,
+                         seed: int) -> dict:
+    from swarmd.dht import dht_key
+    from swarmd.dht.simulation import build_swarm
+
+    rng = random.Random(seed)
+    swarm = await build_swarm(nodes, clock, seed=seed, latency=(one_way_s, one_way_s))
+    try:
+        for node in swarm.nodes:
+            await node.find_nearest(node.peer_id)
+        expires = clock.time() + 24 * 3600  # outlives the run however long the stores take
+        for key in range(keys):
+            async with asyncio.TaskGroup() as group:
+                for node in rng.sample(swarm.nodes, writers):
+                    group.create_task(node.store(dht_key("bench", key), node.peer_id, b"w", expires))
+        victims = rng.sample(swarm.nodes, round(nodes * VICTIM_FRACTION))
+        for node in victims:
+            (swarm.kill if failure == "killed" else swarm.freeze)(node)
+        alive = [node for node in swarm.nodes if node not in victims]
+        latencies, found = [], 0
+        for key in range(keys):
+            start = clock.monotonic()
+            got = await rng.choice(alive).get(dht_key("bench", key), latest=True)
+            latencies.append(clock.monotonic() - start)
+            found += len(got) == writers
+    finally:
+        await swarm.stop()
+    return {"nodes": nodes, "failure": failure, "rtt_ms": round(2 * one_way_s * 1000), "success_rate": found / keys,
+            "get_p50_ms": round(statistics.median(latencies) * 1000, 1),
+            "get_p99_ms": round(percentile(latencies, 0.99) * 1000, 1)}
+
+
+def latency_rows(keys: int, writers: int, seed: int) -> list[dict]:
+    rows = []
+    for failure in ("killed", "frozen"):
+        base = latency_run(64, failure, keys, writers, 0.0, seed)
+        row = latency_run(64, failure, keys, writers, LATENCY_RTT_S / 2, seed)
+        row["baseline_rtt_0_get_p99_ms"] = base["get_p99_ms"]
+        row["baseline_rtt_0_success_rate"] = base["success_rate"]
+        rows.append(row)
+    return rows
+
+
 async def coordinator(args: argparse.Namespace) -> dict:
     runs = []
     for nodes in args.nodes:
@@ -307,6 +369,7 @@ def main() -> None:
     parser.add_argument("--store-concurrency", type=int, default=4, help="stores in flight per worker")
     parser.add_argument("--get-concurrency", type=int, default=4, help="gets in flight per worker")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency-only", action="store_true", help="only the 100 ms rows (in-memory, ~1 min)")
     parser.add_argument("--worker", choices=["swarmd", "kademlia"], help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
@@ -318,7 +381,12 @@ def main() -> None:
         return
     if args.quick:
         args.nodes, args.keys = [32], 40
-    print(json.dumps(run(coordinator(args)), indent=1))
+    if args.latency_only:
+        print(json.dumps({"bench": "dht", "latency": latency_rows(args.keys, args.writers, args.seed)}, indent=1))
+        return
+    report = run(coordinator(args))
+    report["latency"] = latency_rows(args.keys, args.writers, args.seed)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@
   `tc qdisc ... tbf rate 200mbit`; goodput as a fraction of the link rate for raw fp32 payloads,
   the fp32-equivalent rate with fp16 and fp16+lz4, and the same tensors as torch.save bytes over
   plain asyncio streams as the baseline.
+- latency (root only): peers behind links with real delay (bench/wan_link.py: a userspace delay
+  line between namespaces, tbf for the rate) at 50/100/200 ms RTT × 50/200 Mb/s: goodput of
+  fp32 tensors over one RPC connection as a fraction of the rate, once past the connection's ramp,
+  and the p50/p99 of a small call beside the ICMP round trip of the same link measured in the same
+  run (the baseline); `rpc_overhead_ms` is the call's p50 less the ping's.
 - encryption: what `RpcConfig(encrypt=True)` (ChaCha20-Poly1305 records) costs on loopback, where
   the CPU and not the link is the limit: small-call p50 and 64 MB goodput against two fresh server
   processes, one plain and one encrypted, with the plain one as the baseline of the same run.
@@ -30,6 +35,7 @@ import io
 import json
 import os
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -360,8 +366,10 @@ async def shaped_client(host: str, rpc_port: int, raw_port: int, total_mb: int) 
     return out
 
 
-def _load_netns():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_netns", BENCH / "netns.py")
+def _load_bench(name: str, filename: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / filename)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
@@ -369,7 +377,7 @@ def _load_netns():
 
 
 def bench_shaped(quick: bool) -> tuple[dict | None, str | None]:
-    netns = _load_netns()
+    netns = _load_bench("swarmd_bench_netns", "netns.py")
     reason = netns.unavailable_reason()
     if reason is not None:
         return None, reason
@@ -394,6 +402,73 @@ def bench_shaped(quick: bool) -> tuple[dict | None, str | None]:
         return {"link_mbps": LINK_MBIT, **figures, "qdisc": "tbf", "qdisc_sent_bytes": sent}, None
 
 
+# ------------------------------------------------------------------------------- latency
+
+LATENCY_RTTS_MS = (50, 100, 200)
+LATENCY_RATES_MBIT = (50, 200)
+# Past the connection's ramp (BBR start-up and receive-window autotuning take a few RTTs).
+LATENCY_WARMUP_S = 2.0
+LATENCY_MEASURE_S = 5.0
+LATENCY_CALLS = 30
+# ICMP round trips that give the link's own RTT, the baseline of the small-call latency.
+LATENCY_PINGS = 20
+
+
+async def wan_client(host: str, rpc_port: int, rate_mbit: float, quick: bool) -> dict:
+    """Runs inside a peer's namespace: small-call round trips, then tensor goodput past the ramp."""
+    torch.set_num_threads(1)
+    pool = Pool(RpcConfig())
+    address = (host, rpc_port)
+    try:
+        await pool.call(address, "ping", timeout=30)  # connect
+        samples = []
+        for _ in range(LATENCY_CALLS // (3 if quick else 1)):
+            start = time.perf_counter()
+            await pool.call(address, "ping", timeout=30)
+            samples.append((time.perf_counter() - start) * 1e3)
+        samples.sort()
+        link_bytes_per_s = rate_mbit * 1e6 / 8
+        tensor = activations(1024 * 1024)  # 4 MB: many per second even at 50 Mb/s
+        measure_s = LATENCY_MEASURE_S / (2 if quick else 1)
+        warm = max(2, round(LATENCY_WARMUP_S * link_bytes_per_s / tensor.nbytes))
+        count = max(4, round(measure_s * link_bytes_per_s / tensor.nbytes))
+        await send_tensors(pool, address, [tensor] * warm, "none", parallel=4)
+        seconds = await send_tensors(pool, address, [tensor] * count, "none", parallel=4)
+    finally:
+        await pool.close()
+    return {
+        "rpc_p50_ms": round(samples[len(samples) // 2], 2),
+        "rpc_p99_ms": round(samples[min(len(samples) - 1, int(len(samples) * 0.99))], 2),
+        "goodput_ratio": round(count * tensor.nbytes / seconds / link_bytes_per_s, 3),
+    }
+
+
+def bench_latency(quick: bool) -> tuple[list | None, str | None]:
+    wan_link = _load_bench("swarmd_bench_wan_link", "wan_link.py")
+    reason = wan_link.unavailable_reason()
+    if reason is not None:
+        return None, reason
+    rows = []
+    for rtt_ms in LATENCY_RTTS_MS:
+        for rate_mbit in LATENCY_RATES_MBIT:
+            with wan_link.wan_star(peers=2, rtt_ms=rtt_ms, rate_mbit=rate_mbit) as star:
+                rows.append(_latency_row(star, rtt_ms, rate_mbit, quick))
+            rows[-1]["delay_line_late_us_mean"] = star.delay_stats.get("late_us_mean")
+    return rows, None
+
+
+def _latency_row(star, rtt_ms: float, rate_mbit: float, quick: bool) -> dict:
+    ping_ms = statistics.median(star.ping(1, 0, count=LATENCY_PINGS))
+    rpc, port = start_helper(["--serve-rpc", star.addr(0), "0"], star.exec_prefix(0))
+    try:
+        argv = [sys.executable, __file__, "--wan-client", star.addr(0), str(port), str(rate_mbit), str(int(quick))]
+        figures = json.loads(star.run(1, argv, timeout=300))
+    finally:
+        stop(rpc)
+    return {"rtt_ms": rtt_ms, "rate_mbps": rate_mbit, "ping_p50_ms": round(ping_ms, 2), **figures,
+            "rpc_overhead_ms": round(figures["rpc_p50_ms"] - ping_ms, 2)}
+
+
 # ------------------------------------------------------------------------------------- main
 
 
@@ -404,6 +479,8 @@ def main() -> None:
     parser.add_argument("--serve-rpc-encrypted", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-echo", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--wan-client", nargs=4, metavar=("HOST", "RPC", "MBIT", "QUICK"), help=argparse.SUPPRESS)
+    parser.add_argument("--latency-only", action="store_true", help="only the latency rows (root)")
     parser.add_argument("--shaped-client", nargs=4, metavar=("HOST", "RPC", "RAW", "MB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     run = asyncio.Runner(loop_factory=new_event_loop)
@@ -415,6 +492,12 @@ def main() -> None:
         run.run(serve_echo(args.serve_echo[0], int(args.serve_echo[1])))
     elif args.serve_raw:
         run.run(serve_raw(args.serve_raw[0], int(args.serve_raw[1])))
+    elif args.wan_client:
+        host, rpc_port, rate, quick = args.wan_client
+        print(json.dumps(run.run(wan_client(host, int(rpc_port), float(rate), quick == "1"))))
+    elif args.latency_only:
+        rows, reason = bench_latency(args.quick)
+        print(json.dumps({"latency": rows, "latency_skipped": reason}, indent=2))
     elif args.shaped_client:
         host, rpc_port, raw_port, total_mb = args.shaped_client
         print(json.dumps(run.run(shaped_client(host, int(rpc_port), int(raw_port), int(total_mb)))))
@@ -434,6 +517,9 @@ def main() -> None:
         report["shaped_link"] = shaped
         if reason is not None:
             report["shaped_link_skipped"] = reason
+        report["latency"], reason = bench_latency(args.quick)
+        if reason is not None:
+            report["latency_skipped"] = reason
         print(json.dumps(report, indent=2))
     run.close()
 
