@@ -14,6 +14,7 @@ from pathlib import Path
 from waiting import wait_for
 
 from swarmd.client import ControlError, DaemonUnavailable, SyncClient
+from swarmd.swarmproc import free_port
 
 #: A daemon imports torch (through the transport) before it listens: seconds on a busy 2-core box.
 START_TIMEOUT_S = 90.0
@@ -111,6 +112,17 @@ class Spawner:
         return daemon
 
     start = __call__
+
+    def together(self, names: list[str], *flags: str, env: dict[str, str] | None = None) -> list[DaemonProcess]:
+        """Daemons started at once, the first on a port chosen here and the others bootstrapping
+        through it (their bootstrap retry bridges its start): a test waits for one start, not one
+        start per daemon in turn."""
+        first = f"127.0.0.1:{free_port()}"
+        daemons = [self(name, *flags, *(("--listen", first) if i == 0 else ("--bootstrap", first)), env=env,
+                        ready=False) for i, name in enumerate(names)]
+        for daemon in daemons:
+            daemon.wait_ready()
+        return daemons
 
     def restart(self, daemon: DaemonProcess) -> DaemonProcess:
         """Start a stopped daemon again with its flags and state dir (so the same identity)."""

@@ -160,8 +160,7 @@ def test_transport_bytes_and_dht_lookups_move_on_a_real_daemon(spawn, swarmctl) 
           least one, and the control API's get counter by exactly one.
        4. The byte counters keep growing with traffic (the get crossed the wire), and every label
           value is from the closed sets."""
-    a = spawn("a", "--metrics", "127.0.0.1:0", env=FAST)
-    b = spawn("b", "--metrics", "127.0.0.1:0", "--bootstrap", a.address, env=FAST)
+    a, b = spawn.together(["a", "b"], "--metrics", "127.0.0.1:0", env=FAST)
     wait_for(lambda: {p["peer_id"] for p in a.client.peers() if p["alive"]} == {a.status["peer_id"], b.status["peer_id"]},
              60, "A to see B alive")
 

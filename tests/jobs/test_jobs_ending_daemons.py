@@ -28,10 +28,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def three(swarm):
-    a = swarm.start("ea")
-    b = swarm.start("eb", "--bootstrap", a.status["announce"])
-    c = swarm.start("ec", "--bootstrap", a.status["announce"])
-    return a, b, c
+    return tuple(swarm.together(["ea", "eb", "ec"]))
 
 
 def submit(kit, swarmctl, swarm_root: Path, daemon, name: str, steps: int, trainers: int) -> str:

@@ -35,8 +35,7 @@ def test_two_daemons_three_stages_match_the_reference(swarm, swarm_root: Path, s
     torch.set_num_threads(1)
     sections = {**EXACT, "optim": {**EXACT["optim"], "name": optim}}
     data, spec_path = kit.write_job(swarm_root, "equiv", file=f"equiv-{optim}", seed=7, steps=STEPS, **sections)
-    a = swarm.start(f"{optim}-a")
-    b = swarm.start(f"{optim}-b", "--bootstrap", a.status["announce"])
+    a, b = swarm.together([f"{optim}-a", f"{optim}-b"])
 
     submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
     assert submitted.returncode == EXIT_OK, submitted.stderr

@@ -53,8 +53,7 @@ def test_export_live_then_from_checkpoints(swarm, swarm_root: Path, swarmctl, ki
     torch.set_num_threads(1)
     data, spec_path = kit.write_job(swarm_root, "export", copies=1, seed=3, steps=STEPS, **LLAMA)
     spec = parse_toml(spec_path.read_text())
-    a = swarm.start("xa")
-    b = swarm.start("xb", "--bootstrap", a.status["announce"])
+    a, b = swarm.together(["xa", "xb"])
     submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
     assert submitted.returncode == EXIT_OK, submitted.stderr
     job_id = json.loads(submitted.stdout)["job"]

@@ -17,8 +17,7 @@ def test_a_submit_refused_at_its_trainers_publishes_nothing(swarm, swarm_root, s
     B reads no entry under the `jobs` index key nor the job's spec key; the second submit succeeds
     and B reads A's index entry (so the check above could see a publication). On the old code the
     first submit had already published the spec and the index entry when the trainers were refused."""
-    a = swarm.start("fa")
-    b = swarm.start("fb", "--bootstrap", a.status["announce"])
+    a, b = swarm.together(["fa", "fb"])
     _, spec_path = kit.write_job(swarm_root, "refused-trainers", copies=1, seed=5, steps=4)
     refused = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "3", str(spec_path))
     assert refused.returncode != 0 and "trainers: at most 2" in refused.stderr, refused.stderr

@@ -73,7 +73,9 @@ def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, s
                                                                          kit) -> None:
     _, spec_path = kit.write_job(swarm_root, "joining", seed=3, steps=STEPS)
     trainer = swarm.start("jt")  # serve = "none" (the fixture's default): it only trains
-    servers = [swarm.start(f"j{i}", "--bootstrap", trainer.status["announce"], env=AUTO) for i in range(3)]
+    servers = [swarm.start(f"j{i}", "--bootstrap", trainer.status["announce"], env=AUTO, ready=False) for i in range(3)]
+    for server in servers:  # started at once: one wait for their starts, not three in turn
+        server.wait_ready()
     submitted = swarmctl("--socket", str(trainer.socket), "--json", "submit", str(spec_path))
     assert submitted.returncode == 0, submitted.stderr
     job_id = json.loads(submitted.stdout)["job"]

@@ -34,8 +34,7 @@ LLAMA = {"model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_kv_heads": 2
 def test_llama_three_stages_through_a_kill_match_the_reference(swarm, swarm_root: Path, swarmctl, kit) -> None:
     torch.set_num_threads(1)
     data, spec_path = kit.write_job(swarm_root, "llama", seed=13, steps=STEPS, **LLAMA)
-    a = swarm.start("la")
-    b = swarm.start("lb", "--bootstrap", a.status["announce"])
+    a, b = swarm.together(["la", "lb"])
     submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
     assert submitted.returncode == EXIT_OK, submitted.stderr
     job_id = json.loads(submitted.stdout)["job"]

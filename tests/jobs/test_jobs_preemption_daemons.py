@@ -25,8 +25,7 @@ GLOBAL, MICRO = 8, 2
 def test_killed_stage_peer_restarts_and_training_completes(swarm, swarm_root: Path, swarmctl, kit) -> None:
     data, spec_path = kit.write_job(swarm_root, "preempt", seed=11, steps=STEPS,
                                     batch={"global_samples": GLOBAL, "microbatch_samples": MICRO})
-    a = swarm.start("pa")
-    c = swarm.start("pc", "--bootstrap", a.status["announce"])
+    a, c = swarm.together(["pa", "pc"])
     job_id = json.loads(swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0",
                                  str(spec_path)).stdout)["job"]
     for stage in range(3):

@@ -30,8 +30,7 @@ def test_wiped_stage_makes_the_job_wait_then_resumes_when_its_daemon_restarts(sw
                                                                              swarmctl, kit) -> None:
     data, spec_path = kit.write_job(swarm_root, "wiped", seed=5, steps=STEPS, checkpoint={"every_steps": EVERY},
                                     batch={"global_samples": GLOBAL, "microbatch_samples": MICRO})
-    a = swarm.start("wa", env=SHORT_ANNOUNCE)
-    c = swarm.start("wc", "--bootstrap", a.status["announce"], env=SHORT_ANNOUNCE)
+    a, c = swarm.together(["wa", "wc"], env=SHORT_ANNOUNCE)
     job_id = json.loads(swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0",
                                  str(spec_path)).stdout)["job"]
     for stage in (0, 2):

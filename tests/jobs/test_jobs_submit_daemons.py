@@ -46,8 +46,7 @@ def write_spec(where: Path, name: str = "tiny", *, arch: str = "transformer-lm",
 
 @pytest.fixture(scope="module")
 def pair(swarm, swarm_root: Path):
-    a = swarm.start("a")
-    b = swarm.start("b", "--bootstrap", a.status["announce"])
+    a, b = swarm.together(["a", "b"])
     data = swarm_root / "data.txt"
     data.write_text("def f(x):\n    return x + 1\n" * 200)
     data.chmod(0o644)

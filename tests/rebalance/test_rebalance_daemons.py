@@ -24,12 +24,14 @@ GLOBAL, MICRO = 64, 8
 #: Wider and deeper than the job tests' TINY_JOB, with a large batch of long samples.
 BIG = {"model": {"d_model": 64, "layers_per_stage": 2}, "data": {"seq_len": 64},
        "batch": {"global_samples": GLOBAL, "microbatch_samples": MICRO}}
-# A peer's first check comes one jittered period after it starts serving, and the other peers'
-# joins, the directory's 3/1/1 layout, the quotas and the trainer's start took up to 25 s on a
-# loaded box before two steps had committed: with 15 s, one run in six moved one second into
-# training, with no steps before the move to measure. 30 s kept three steps and more before the
-# move in every run. (60 s did worse: every stage-0 peer's check said "not chosen" for 2.5 min.)
-PERIOD_S, JITTER, CONFIRM_S = 30.0, 0.2, 2.0
+# When a move may start is pinned by the confirmation, not left to the checks' phase: a check
+# before training sees no speeds and plans nothing, and a check that finds the move only marks it
+# pending; the move starts when a check CONFIRM_S later agrees. So at least CONFIRM_S of measured
+# training (with the step that measured the first speeds before it) precede any move, however the
+# serves, the layout and the trainer's start fell on a loaded box. (Pinning by a long period alone,
+# 30 s with a 2 s confirmation, once left 2 steps before a move 6.8 s into training.) The period is
+# short, so the move comes soon after that.
+PERIOD_S, JITTER, CONFIRM_S = 10.0, 0.2, 20.0
 REBALANCE = {
     "SWARMD_REBALANCE_PERIOD_S": str(PERIOD_S), "SWARMD_REBALANCE_JITTER": str(JITTER),
     "SWARMD_REBALANCE_CONFIRM_AFTER_S": str(CONFIRM_S), "SWARMD_REBALANCE_GOSSIP_INTERVAL_S": "1",
