@@ -25,15 +25,15 @@ BOUND = 64 * MiB
 BOMBER = """
 import asyncio, json, sys
 import lz4.block, torch
-import transport.connection as connection
+import transport.payload as payload
 from transport.errors import ConnectionLost, RemoteError
 from transport.identity import Identity
 from transport.rpc import Message, Pool, RpcConfig
 
 ZEROS = lz4.block.compress(bytes(1 << 20), store_size=False)
 META = {"dtype": "float32", "shape": [1 << 18], "codec": "lz4", "raw": 1 << 20}
-honest_encode = connection._encode_all
-connection._encode_all = lambda tensors, codec: ([dict(META) for _ in range(1024)], [ZEROS] * 1024)
+honest_encode = payload.encode_all
+payload.encode_all = lambda tensors, codec: ([dict(META) for _ in range(1024)], [ZEROS] * 1024)
 
 async def main():
     outcomes = []
@@ -46,7 +46,7 @@ async def main():
             outcomes.append(type(exc).__name__)
         finally:
             await pool.close()
-    connection._encode_all = honest_encode
+    payload.encode_all = honest_encode
     pool = Pool(RpcConfig(identity=Identity.generate()))
     try:
         reply = await pool.call(sys.argv[1], "dht.ping", Message({}, [torch.zeros(4)]), timeout=60)
