@@ -77,11 +77,11 @@ class TrainerConfig:
     # that just timed out. forward_backward uses the backward ceiling.
     forward_timeout_s: float = 30.0
     backward_timeout_s: float = 75.0
-    # Directory reads and the joining trainer's stage.info: a peer that cannot answer in this long is skipped.
+    # A directory read that takes longer is given up (the previous peer list is kept).
     info_timeout_s: float = 10.0
-    # stage.info while watching a commit: every peer of every stage is asked at once, each for at most
-    # this long (answered from memory, so a peer slower than this is hung or overloaded).
-    commit_info_timeout_s: float = 1.0
+    # stage.info calls (a commit watch, a joining trainer): every peer of every stage is asked at once,
+    # each for at most this long (answered from memory, so a peer slower than this is hung or overloaded).
+    stage_info_timeout_s: float = 2.0
     # Directory re-read period (the paper's code: 30 s; shorter finds replacements sooner).
     refresh_s: float = 5.0
     # Pause when every usable peer of a stage failed one call, or when a stage has no peers at all:
@@ -119,7 +119,7 @@ class TrainerConfig:
     wiring: WiringConfig = field(default_factory=WiringConfig)
 
     def __post_init__(self) -> None:
-        positive = ("forward_timeout_s", "backward_timeout_s", "info_timeout_s", "commit_info_timeout_s",
+        positive = ("forward_timeout_s", "backward_timeout_s", "info_timeout_s", "stage_info_timeout_s",
                     "refresh_s", "wait_initial_s", "wait_max_s", "commit_poll_s", "commit_poll_max_s",
                     "commit_status_after_s")
         for name in positive:
@@ -594,8 +594,8 @@ class Trainer:
             self._resent_at[key] = asyncio.get_running_loop().time()
 
     async def _poll_stages(self, stages: list[int]) -> dict[int, dict[bytes, dict[str, Any]]]:
-        """Every given stage's answers, all asked at once, each peer for `commit_info_timeout_s`."""
-        answers = await asyncio.gather(*(self._stage_answers(i, self.config.commit_info_timeout_s) for i in stages))
+        """Every given stage's answers, all asked at once, each peer for `stage_info_timeout_s`."""
+        answers = await asyncio.gather(*(self._stage_answers(i, self.config.stage_info_timeout_s) for i in stages))
         return dict(zip(stages, answers))
 
     async def _stage_answers(self, stage: int, timeout: float) -> dict[bytes, dict[str, Any]]:
@@ -626,7 +626,7 @@ class Trainer:
 
         async def stage_step(i: int) -> int:
             rounds = 0
-            while not (infos := list((await self._stage_answers(i, self.config.info_timeout_s)).values())):
+            while not (infos := list((await self._stage_answers(i, self.config.stage_info_timeout_s)).values())):
                 await asyncio.sleep(self._backoff(rounds))  # peers announced, none answering yet
                 rounds += 1
             return max(progress.as_int(info.get("step")) for info in infos)
