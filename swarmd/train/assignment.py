@@ -9,6 +9,12 @@ the next one a bound later, ...), so with one trainer dead exactly one survivor 
 work, and a second only when the first is gone too. Taking over a live but slow trainer's index
 wastes work and is harmless for correctness (summing each microbatch once is the stage's job, I1).
 
+A trainer whose indices had to be taken over in one step is a suspect in the next: its indices
+that no stage has started yet (undone even at the last stage, where a microbatch is first summed)
+are taken over without waiting, so a dead trainer costs the bound once, not at every step. A
+suspect that is alive after all keeps its indices covered, is not taken from, and so stops being
+a suspect the step after.
+
 Pure: the caller passes the clock and what the stages report.
 """
 
@@ -41,6 +47,8 @@ class Assignment:
     policy: TakeoverPolicy = TakeoverPolicy()
     # index -> loop time it was first seen undone (after this trainer's own share was done)
     _undone_since: dict[int, float] = field(default_factory=dict)
+    suspects: set[int] = field(default_factory=set)  # shards taken from in the previous step
+    _taken_from: set[int] = field(default_factory=set)  # shards taken from in this step
 
     def __post_init__(self) -> None:
         if not 1 <= self.shards <= self.per_step:
@@ -55,10 +63,16 @@ class Assignment:
         """1 when this trainer is the owner's successor, 2 for the next, ...; 0 for its own indices."""
         return (self.shard - index % self.shards) % self.shards
 
-    def due(self, undone: set[int], done: set[int], now: float, own_share_s: float) -> list[int]:
+    def begin_step(self) -> None:
+        """A new step's watch: those taken from in the last one are the suspects now."""
+        self.suspects, self._taken_from = self._taken_from, set()
+        self._undone_since.clear()
+
+    def due(self, undone: set[int], fresh: set[int], done: set[int], now: float, own_share_s: float) -> list[int]:
         """Indices to take over now: undone (by the stages' reports), not done or started here, and
-        undone for longer than this trainer's bound for them. Indices no longer undone are forgotten,
-        so one that reappears (a stage lost it again) waits a whole bound again."""
+        undone for longer than this trainer's bound for them, or `fresh` (not started anywhere) and
+        a suspect's. Indices no longer undone are forgotten, so one that reappears (a stage lost it
+        again) waits a whole bound again."""
         for index in [i for i in self._undone_since if i not in undone]:
             del self._undone_since[index]
         bound = max(self.policy.min_s, self.policy.factor * own_share_s)
@@ -67,6 +81,8 @@ class Assignment:
             if not 0 <= index < self.per_step or self.rank(index) == 0:
                 continue  # own indices are re-sent, not taken over; others are not of this step
             since = self._undone_since.setdefault(index, now)
-            if now - since >= bound * self.rank(index):
+            owner = index % self.shards
+            if now - since >= bound * self.rank(index) or (owner in self.suspects and index in fresh):
                 ready.append(index)
+                self._taken_from.add(owner)
         return ready

@@ -203,6 +203,7 @@ class Trainer:
         self._ban_log: deque[BanRecord] = deque(maxlen=config.ban_log_kept)
         self._verify_rng = random.Random(f"verify {config.wiring.seed} {shard}")
         self._held: HeldTensors | None = None
+        self._takeover_slots = asyncio.Semaphore(1)  # replaced per commit watch
         self.in_memory = 0  # microbatches whose tensors are in memory now (in flight)
         self.peak_in_memory = 0
 
@@ -483,8 +484,10 @@ class Trainer:
         committed: dict[int, tuple[int, int]] = {}
         watches = {i: progress.LossWatch(self.config.uncovered_grace_s) for i in range(self.num_stages)}
         unrecorded: dict[int, int] = {}
-        assignment = Assignment(self.assignment.per_step, self.shard, self.shards, self.config.takeover)
+        self.assignment.begin_step()
         takeovers: dict[int, asyncio.Task] = {}
+        # Taken-over microbatches run `microbatches_in_flight` at a time, as the own share does.
+        self._takeover_slots = asyncio.Semaphore(self.spec.pipeline.microbatches_in_flight)
         delay = self.config.commit_poll_s
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -493,6 +496,7 @@ class Trainer:
                 pending = [i for i in range(self.num_stages) if i not in committed]
                 answers = await self._poll_stages(pending)
                 undone: set[int] = set()
+                fresh: set[int] = set()  # undone even at the last stage: started nowhere
                 for i in pending:
                     infos = list(answers[i].values())
                     finished = progress.committed(infos, step)
@@ -507,8 +511,10 @@ class Trainer:
                         continue
                     await self._resend_lost(i, step, answers[i], watches[i], done)
                     ids = self._step_ids(step)
-                    undone |= {mb - ids.start for mb in progress.uncovered_everywhere(infos, step, set(ids))}
-                self._take_over(step, undone, done, takeovers, assignment, own_s)
+                    here = {mb - ids.start for mb in progress.uncovered_everywhere(infos, step, set(ids))}
+                    undone |= here
+                    fresh |= here if i == self.num_stages - 1 else set()
+                self._take_over(step, undone, fresh, done, takeovers, own_s)
                 if len(committed) < self.num_stages:
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, self.config.commit_poll_max_s)
@@ -525,8 +531,8 @@ class Trainer:
         per_step = self.spec.batch.microbatches_per_step
         return range(step * per_step, (step + 1) * per_step)
 
-    def _take_over(self, step: int, undone: set[int], done: dict[int, _Done], takeovers: dict[int, asyncio.Task],
-                   assignment: Assignment, own_s: float) -> None:
+    def _take_over(self, step: int, undone: set[int], fresh: set[int], done: dict[int, _Done],
+                   takeovers: dict[int, asyncio.Task], own_s: float) -> None:
         """Start the microbatches of other trainers that the stages show undone past this trainer's
         bound (assignment.py); each lands in `done` when through. A failed one is an error of the
         trainer (as in its own share), heard when the commit watch ends."""
@@ -536,11 +542,12 @@ class Trainer:
                     raise task.exception()
                 del takeovers[index]
         started = set(done) | set(takeovers)
-        for index in assignment.due(undone, started, asyncio.get_running_loop().time(), own_s):
+        for index in self.assignment.due(undone, fresh, started, asyncio.get_running_loop().time(), own_s):
             log.info("taking over microbatch %d of step %d: the stages show it undone", index, step)
 
             async def run(index: int = index) -> None:
-                done[index] = await self._microbatch(step, index, taken_over=True)
+                async with self._takeover_slots:
+                    done[index] = await self._microbatch(step, index, taken_over=True)
 
             takeovers[index] = asyncio.create_task(run(), name=f"takeover {step}/{index}")
 

@@ -22,25 +22,25 @@ def test_undone_indices_are_taken_over_after_a_bound_by_the_owners_successor_fir
     second = Assignment(8, shard=2, shards=3, policy=policy)  # two away from shard 0
     undone = {0, 3, 6}  # shard 0's share, never sent
     for a in (first, second):
-        assert a.due(undone, set(), now=100.0, own_share_s=1.0) == []
-    assert first.due(undone, set(), now=104.9, own_share_s=1.0) == []
-    assert first.due(undone, set(), now=105.0, own_share_s=1.0) == [0, 3, 6]  # bound max(5, 2x1) x rank 1
-    assert second.due(undone, set(), now=105.0, own_share_s=1.0) == []
-    assert second.due(undone, set(), now=110.0, own_share_s=1.0) == [0, 3, 6]  # x rank 2
+        assert a.due(undone, set(), set(), now=100.0, own_share_s=1.0) == []
+    assert first.due(undone, set(), set(), now=104.9, own_share_s=1.0) == []
+    assert first.due(undone, set(), set(), now=105.0, own_share_s=1.0) == [0, 3, 6]  # bound max(5, 2x1) x rank 1
+    assert second.due(undone, set(), set(), now=105.0, own_share_s=1.0) == []
+    assert second.due(undone, set(), set(), now=110.0, own_share_s=1.0) == [0, 3, 6]  # x rank 2
     # A slow step stretches the bound: factor x own share time.
     late = Assignment(8, shard=1, shards=3, policy=policy)
-    assert late.due(undone, set(), now=0.0, own_share_s=4.0) == []
-    assert late.due(undone, set(), now=7.9, own_share_s=4.0) == []
-    assert late.due(undone, set(), now=8.0, own_share_s=4.0) == [0, 3, 6]
+    assert late.due(undone, set(), set(), now=0.0, own_share_s=4.0) == []
+    assert late.due(undone, set(), set(), now=7.9, own_share_s=4.0) == []
+    assert late.due(undone, set(), set(), now=8.0, own_share_s=4.0) == [0, 3, 6]
 
 
 def test_started_own_and_foreign_indices_are_never_due_and_a_reappearing_one_waits_again():
     a = Assignment(4, shard=0, shards=2, policy=TakeoverPolicy(min_s=1.0, factor=0.0))
-    a.due({1, 3, 0, 9, -1}, set(), now=0.0, own_share_s=0.0)
-    assert a.due({1, 3, 0, 9, -1}, {3}, now=1.0, own_share_s=0.0) == [1]  # own 0, started 3, out-of-step 9/-1
-    a.due(set(), set(), now=1.5, own_share_s=0.0)  # 1 no longer undone: forgotten
-    assert a.due({1}, set(), now=2.0, own_share_s=0.0) == []
-    assert a.due({1}, set(), now=3.0, own_share_s=0.0) == [1]
+    a.due({1, 3, 0, 9, -1}, set(), set(), now=0.0, own_share_s=0.0)
+    assert a.due({1, 3, 0, 9, -1}, set(), {3}, now=1.0, own_share_s=0.0) == [1]  # own 0, started 3, out-of-step 9/-1
+    a.due(set(), set(), set(), now=1.5, own_share_s=0.0)  # 1 no longer undone: forgotten
+    assert a.due({1}, set(), set(), now=2.0, own_share_s=0.0) == []
+    assert a.due({1}, set(), set(), now=3.0, own_share_s=0.0) == [1]
 
 
 def test_arguments_are_checked():
@@ -66,3 +66,20 @@ def test_held_tensors_round_trip_on_disk_and_go_with_their_step(tmp_path):
         assert not held.root.exists()
 
     asyncio.run(scenario())
+
+
+def test_a_trainer_taken_from_is_a_suspect_next_step_and_its_unstarted_indices_go_at_once():
+    a = Assignment(6, shard=1, shards=2, policy=TakeoverPolicy(min_s=5.0, factor=0.0))
+    a.begin_step()
+    a.due({0, 2, 4}, {0, 2, 4}, set(), now=0.0, own_share_s=1.0)
+    assert a.due({0, 2, 4}, {0, 2, 4}, set(), now=5.0, own_share_s=1.0) == [0, 2, 4]
+    a.begin_step()  # shard 0 is a suspect now
+    assert a.suspects == {0}
+    # 0 is under way somewhere (undone below, not fresh): it still waits; 2 and 4 go at once.
+    assert a.due({0, 2, 4}, {2, 4}, set(), now=10.0, own_share_s=1.0) == [2, 4]
+    a.begin_step()
+    assert a.suspects == {0}
+    # A suspect alive after all: nothing of it stays undone, nothing is taken, it is cleared.
+    assert a.due(set(), set(), set(), now=20.0, own_share_s=1.0) == []
+    a.begin_step()
+    assert a.suspects == set()
