@@ -28,8 +28,10 @@ class TakeoverPolicy:
     # An index another trainer owns is taken over once it has looked undone for
     # max(min_s, factor × this trainer's own share time) × rank, rank = 1 for the owner's successor.
     # `factor` leaves room for a live trainer that is a little slower than this one; `min_s` for the
-    # stages' reports lagging what they hold (a stage-mate progress poll, a commit in flight).
-    min_s: float = 5.0
+    # stages' reports lagging what they hold (a stage-mate progress poll, a commit in flight) and for
+    # trainers of one job started seconds apart (`swarmctl train` on each daemon): a takeover of a
+    # live trainer's whole share is wasted work.
+    min_s: float = 20.0
     factor: float = 2.0
 
     def __post_init__(self) -> None:
