@@ -7,8 +7,8 @@ only to re-send a backward a stage lost) on disk until its step commits (swarmd/
 its memory should follow the microbatches in flight, not the global batch. For each
 `global_samples` a fresh child process runs one `Trainer` (microbatch size and
 `microbatches_in_flight` fixed) for `--steps` steps against real `StageService` peers served by this
-process on loopback TCP, and reports its own peak RSS (`ru_maxrss`, which includes torch and the
-data). ONE JSON object is printed:
+process on loopback TCP, and reports its own peak RSS (VmHWM, which includes torch and the data;
+`ru_maxrss` would include the parent's, being kept across execve). ONE JSON object is printed:
 
     {"config": {...}, "runs": {"64": {"peak_rss_mib": ..., "held_bytes_per_step": ...}, "1024": {...}},
      "ratio": peak(largest) / peak(smallest), "goal": "ratio < 1.2"}
@@ -24,7 +24,6 @@ import asyncio
 import hashlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -86,11 +85,30 @@ async def child(args: argparse.Namespace) -> None:
     data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, "/")
     pool = Pool()
     trainer = Trainer(spec, JOB_ID, directory, pool, data, config=TrainerConfig(held_dir=args.held_dir))
+    series: list[float] = []
+    sampler = asyncio.create_task(sample_rss(series))
     events = await trainer.run(0, spec.steps)
+    sampler.cancel()
     await pool.close()
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "steps": len(events), "peak_in_memory": trainer.peak_in_memory,
+    print(json.dumps({"peak_rss_mib": status_mib("VmHWM"), "rss_mib_every_s": series, "steps": len(events),
+                      "peak_in_memory": trainer.peak_in_memory,
                       "stage_samples": [list(e.stage_samples) for e in events]}))
+
+
+def status_mib(field: str) -> float:
+    """A size from /proc/self/status in MiB. The peak is VmHWM, this process image's own high-water
+    mark: `ru_maxrss` is kept across execve, so a child would report its parent's peak at fork."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+async def sample_rss(series: list[float]) -> None:
+    """This process's resident MiB once a second: where a growth happens, not only how much."""
+    while True:
+        series.append(status_mib("VmRSS"))
+        await asyncio.sleep(1.0)
 
 
 def held_bytes(args: argparse.Namespace, global_samples: int) -> int:

@@ -86,6 +86,10 @@ async def test_a_trainer_that_never_comes_has_its_share_taken_over(tiny_job, swa
         print(f"step {e.step}: taken over {e.taken_over}, stage samples {e.stage_samples}, duplicates {e.duplicates}")
         assert e.taken_over == per_step // 2 and e.samples == G
         assert all(s in (G, -1) for s in e.stage_samples) and all(d in (0, -1) for d in e.duplicates), e
+    # Memory follows the work in flight (own share, then takeovers, each `in_flight` at a time);
+    # finished microbatches' tensors went to disk, and the directory went with the run.
+    assert trainer.peak_in_memory <= spec.pipeline.microbatches_in_flight
+    assert trainer._held.files_written == 3 * per_step and not trainer._held.root.exists()
     reference = ReferenceTrainer(spec, data)
     ref_losses = [r.loss for r in reference.train(3)]
     for e, want in zip(events, ref_losses):
