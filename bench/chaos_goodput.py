@@ -59,6 +59,8 @@ PINNED_ENV = {"SWARMD_JOBS_SERVE": "none", "SWARMD_REBALANCE_ENABLED": "false",
               "SWARMD_DHT_REFRESH_INTERVAL": "2", "SWARMD_DHT_ANNOUNCE_TTL": "8"}
 #: A daemon that just started may not have read the job's record from the DHT yet.
 JOB_DISCOVERY_S = 60.0
+#: `job.serve` builds the stage and downloads its state before it answers: slow on a loaded machine.
+SERVE_CALL_S = 180.0
 GOALS = {"kill_60s": 0.85, "slow_peer": 0.7}
 #: `--quick`: every part at its smallest (five daemons, 12 s windows: one kill per kill window, at
 #: its start), for the test.
@@ -101,7 +103,7 @@ async def serve_stage(peer: PeerProcess, job: str, stage: int) -> None:
     deadline = time.monotonic() + JOB_DISCOVERY_S
     while True:
         try:
-            async with Client(peer.socket) as client:
+            async with Client(peer.socket, timeout=SERVE_CALL_S) as client:
                 await client.serve(job, stage)
                 return
         except ControlError as exc:

@@ -12,7 +12,8 @@ class StepEvent:
 
     step: int
     shard_loss: float  # sum of this trainer's sample-summed losses / their samples (nan: none known)
-    global_loss: float | None  # the step's mean loss over the global batch; known when this trainer did every microbatch
+    # The step's mean loss over the global batch; known when this trainer did every microbatch.
+    global_loss: float | None
     samples: int  # samples this trainer pushed through the pipeline this step (its share and what it took over)
     tokens_per_s: float  # this trainer's tokens over the step's wall time (until every stage committed)
     elapsed_s: float

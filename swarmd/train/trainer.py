@@ -521,7 +521,12 @@ class Trainer:
         finally:
             for task in takeovers.values():
                 task.cancel()  # the step committed without them (or the trainer stops)
-            await asyncio.gather(*takeovers.values(), return_exceptions=True)
+            outcomes = await asyncio.gather(*takeovers.values(), return_exceptions=True)
+        # A takeover that failed the way a trainer can fail (InputRefused) no longer matters once the
+        # step committed; anything else is a bug and is not swallowed.
+        for outcome in outcomes:
+            if isinstance(outcome, Exception) and not isinstance(outcome, (TrainerError, asyncio.CancelledError)):
+                raise outcome
         for table in (self._resent_at, self._held_by):
             for key in [k for k in table if k[1] in self._step_ids(step)]:
                 del table[key]
