@@ -26,6 +26,11 @@ measured three ways, and ONE JSON object is printed:
   trainer's sockets, the hello excluded): every byte the trainer's links carry, frames, headers and
   `stage.info` polls included, not TCP/IP headers. Stage-mates' all-reduce traffic (its own codec,
   `allreduce_codec`) is not in it: one peer per stage has no mates.
+- control traffic (`control_traffic`, issue 14): 2, 4 and 8 in-process stage peers of one stage on
+  loopback (default sync limits) waiting for work, `--control-seconds` each; the mean bytes/s per
+  peer their links to each other carry (progress polls and answers: everything but activations,
+  gradients and state downloads), read from the kernel (TCP_INFO) on the polling side of each link.
+  `--control-only` measures just this.
 - the swarm's own wire bytes, for its codec (`--codec`): what the daemons counted themselves
   (`swarmd_transport_{sent,received}_bytes_total`, read from each daemon's metrics endpoint at the
   start and end of each no-fault window), per sample committed in those windows: the trainer's
@@ -91,6 +96,9 @@ TCP_INFO_LEN = 256
 #: tens of milliseconds instead of the default 0.1 s (fewer trainer `stage.info` polls to count).
 WIRE_STAGE_LIMITS = StageLimits(sync_interval_s=0.02, workers=1, torch_threads=1)
 WIRE_JOB_ID = hashlib.sha256(b"swarmd bench/pipeline wire bytes").digest()
+#: Stage peers per stage the control-traffic figure is measured at, and their (default) sync limits.
+CONTROL_PEERS = (2, 4, 8)
+CONTROL_STAGE_LIMITS = StageLimits(workers=1, torch_threads=1)
 #: The swarm's placement is the bench's, fixed for the whole run: no daemon joins stages on its own
 #: (the trainer's daemon would otherwise serve one too) and none moves to another stage mid-window.
 #: A restarted victim still rejoins its remembered stage by itself, as a real peer would.
@@ -204,6 +212,58 @@ async def wire_bytes_for(raw: dict[str, Any], codec: str, steps: int) -> dict[st
 
 def measure_wire(raw: dict[str, Any], codecs: list[str], steps: int) -> dict[str, dict[str, Any]]:
     return {codec: asyncio.run(wire_bytes_for(raw, codec, steps)) for codec in codecs}
+
+
+async def control_bytes_for(raw: dict[str, Any], peers: int, seconds: float) -> float:
+    """Mean control bytes/s per stage peer of one stage of `peers` real StageServices on loopback
+    (default limits), waiting for work: every byte their connections to each other carry (progress
+    polls and answers; no activation, gradient or state moves), counted by the kernel on the
+    polling side of each link, so each byte once."""
+    spec = JobSpec.from_dict(raw)
+    directory = StaticDirectory()
+    opened: list[tuple[StageService, RpcServer, Pool]] = []
+    try:
+        for i in range(peers):
+            router = Router()
+            rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
+            pool = Pool()
+            addr = f"{rpc.address[0]}:{rpc.address[1]}"
+            peer_id = hashlib.sha256(b"control peer %d" % i).digest()
+            service = StageService(spec, WIRE_JOB_ID, 0, peer_id, StageServer(router), pool, directory,
+                                   address=addr, limits=CONTROL_STAGE_LIMITS)
+            await service.start()
+            opened.append((service, rpc, pool))
+            directory.set(WIRE_JOB_ID, 0, [*await directory.peers(WIRE_JOB_ID, 0), StagePeer(peer_id, addr, 0)])
+        await asyncio.sleep(1.0)  # every link dialled
+        addrs = [s.address for s, _, _ in opened]
+
+        async def total() -> int:
+            counted = 0
+            for service, _, pool in opened:
+                for a in addrs:
+                    if a != service.address:
+                        counted += socket_bytes((await pool.connect(a)).get_extra_info("socket"))
+            return counted
+
+        before, began = await total(), time.monotonic()
+        await asyncio.sleep(seconds)
+        return (await total() - before) / (time.monotonic() - began) / peers
+    finally:
+        for service, rpc, pool in reversed(opened):
+            await service.stop()
+            await rpc.close()
+            await pool.close()
+
+
+def measure_control(raw: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """`control_traffic`: {"2": B, "4": B, "8": B}, mean control bytes/s per stage peer; the goal
+    (issue 14) is the 8-peer figure at most 1.5x the 2-peer one."""
+    figures = {str(p): round(asyncio.run(control_bytes_for(raw, p, seconds)), 1) for p in CONTROL_PEERS}
+    return {"control_traffic": figures,
+            "control_traffic_ratio_8_to_2": round(figures["8"] / figures["2"], 3) if figures["2"] else None,
+            "control_traffic_method": (f"{seconds:g} s of {', '.join(map(str, CONTROL_PEERS))} in-process stage "
+                                       "peers of one stage on loopback waiting for work, default sync limits; "
+                                       "TCP_INFO bytes of their links to each other, polling side")}
 
 
 # ------------------------------------------------------------------------------ the local swarm
@@ -411,6 +471,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"bench": "pipeline", "config": config, "cpus": os.cpu_count(),
                               "load_average_1m_at_start": round(os.getloadavg()[0], 2)}
 
+    if args.control_seconds > 0:
+        torch.set_num_threads(1)
+        report.update(measure_control(raw, args.control_seconds))
+        torch.set_num_threads(local_threads)
+    if args.control_only:
+        return report
     local = [run_local(spec, args.local_steps, device)]
 
     torch.set_num_threads(1)  # the wire measurement's stage peers share this process
@@ -506,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="its torch threads (default 1, as each daemon's stage; 0: torch's default)")
     other.add_argument("--wire-steps", type=int, default=2, help="steps per codec of the wire measurement")
     other.add_argument("--codecs", type=_codecs, default=DEFAULT_CODECS, help="comma-separated")
+    other.add_argument("--control-seconds", type=float, default=10.0,
+                       help="seconds per peer count of the control-traffic figure; 0: skip it")
+    other.add_argument("--control-only", action="store_true", help="measure only the control-traffic figure")
     return p
 
 

@@ -1,4 +1,5 @@
-"""Per-step gradient sums with the microbatch ids behind them, so a retry never counts twice here.
+"""Per-step gradient sums with the microbatch ids behind them (which ids are admitted at all is
+the stage core's decision: `swarmd.stage.core.StageCore.admit`).
 
 Compute threads add into it while the event loop claims ids and reads progress, and the stage's
 auxiliary thread takes a step's sum for an all-reduce round and puts it back if the round fails.
@@ -51,29 +52,10 @@ class Accumulator:
         self._math = threading.Lock()  # tensor work; compute and aux threads only
         self._sums: dict[int, StepSum] = {}
         self._taken: dict[int, StepSum] = {}
-        self._claimed: dict[int, set[int]] = {}
-        self._repeats: dict[int, int] = {}
-
-    def claim(self, step: int, mb: int) -> bool:
-        """True when `mb` is new for `step` on this peer (its gradient will be added); False for a
-        repeat, which is counted and must be computed without accumulating."""
-        with self._lock:
-            claimed = self._claimed.setdefault(step, set())
-            if mb in claimed:
-                self._repeats[step] = self._repeats.get(step, 0) + 1
-                return False
-            claimed.add(mb)
-            return True
-
-    def release(self, step: int, mbs: list[int]) -> None:
-        """Forget claims whose compute never happened (cancelled, refused, failed)."""
-        with self._lock:
-            claimed = self._claimed.get(step)
-            if claimed is not None:
-                claimed.difference_update(mbs)
 
     def add(self, step: int, mbs: list[int], samples: int, grads: list[torch.Tensor | None]) -> None:
-        """Add the summed parameter gradients of claimed microbatches `mbs` (compute thread)."""
+        """Add the summed parameter gradients of microbatches `mbs`, each claimed by the stage core
+        for this peer (compute thread)."""
         with self._math:
             with self._lock:
                 total = self._sums.get(step)
@@ -121,25 +103,28 @@ class Accumulator:
                 self._sums[step] = taken
                 del self._taken[step]
 
+    def discard_taken(self, step: int) -> frozenset[int]:
+        """A round left this peer's taken sum out for a conflict (its ids overlap a kept member's,
+        and the step could not be covered): drop it for good, keep what arrived meanwhile. Returns
+        the dropped ids, which this peer no longer holds (aux thread)."""
+        with self._math, self._lock:
+            taken = self._taken.pop(step, None)
+            return frozenset(taken.ids) if taken is not None else frozenset()
+
     def finish(self, step: int) -> int:
-        """The step is committed: drop everything for it and earlier steps; returns how many copies
-        of microbatches this peer dropped (claims refused as repeats plus late arrivals, which the
-        round's coverage check proves a mate's sum held)."""
+        """The step is committed: drop everything for it and earlier steps; returns how many
+        microbatches arrived after the round took the sum (the round's coverage proves a kept
+        member's sum held them: harmless copies)."""
         with self._math, self._lock:
             late = self._sums.get(step)
-            repeats = self._repeats.get(step, 0) + (len(late.ids) if late is not None else 0)
-            for table in (self._sums, self._taken, self._claimed, self._repeats):
+            count = len(late.ids) if late is not None else 0
+            for table in (self._sums, self._taken):
                 for s in [s for s in table if s <= step]:
                     del table[s]
-            return repeats
-
-    def repeats(self, step: int) -> int:
-        """Claims refused as repeats so far for `step`."""
-        with self._lock:
-            return self._repeats.get(step, 0)
+            return count
 
     def clear(self) -> None:
         """Forget everything (state was replaced by a download or a checkpoint)."""
         with self._math, self._lock:
-            for table in (self._sums, self._taken, self._claimed, self._repeats):
+            for table in (self._sums, self._taken):
                 table.clear()

@@ -28,6 +28,24 @@ import torch
 from swarmd.stage.errors import RoundFailed, busy, bad_input
 
 
+#: Bytes per gradient element on the wire, by all-reduce codec (lz4's gain is not counted on).
+WIRE_BYTES = {"none": 4, "lz4": 4, "fp16": 2, "fp16+lz4": 2, "int8": 1}
+
+
+def round_timeout(numel: int, members: int, codec: str, rates: list[float], floor_s: float, ceiling_s: float,
+                  margin: float) -> float:
+    """How long a round may take: each member sends (and receives) about 2(P-1)/P of the vector,
+    at the slowest measured rate among `rates` (bytes/s; 0: unmeasured), `margin` times over,
+    within [floor_s, ceiling_s]; `ceiling_s` while any member is unmeasured."""
+    if members < 2:
+        return min(ceiling_s, floor_s)
+    known = [r for r in rates if r > 0]
+    if len(known) < len(rates):
+        return ceiling_s
+    moved = 2 * (members - 1) / members * numel * WIRE_BYTES.get(codec, 4)
+    return min(ceiling_s, max(floor_s, margin * moved / min(known)))
+
+
 def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     base, extra = divmod(numel, parts)
     bounds, start = [], 0
@@ -100,6 +118,15 @@ class RoundBox:
 
     def gathered_ready(self) -> bool:
         return all(self.gathered[s] == hi - lo for s, (lo, hi) in enumerate(self.bounds))
+
+    def late_members(self) -> list[int]:
+        """Members whose parts of the current phase have not all arrived (after a timeout: the
+        stragglers that held the round)."""
+        lo, hi = self.bounds[self.me]
+        if not self.reduced_ready():
+            return [s for s in range(len(self.members))
+                    if s != self.me and (self.received[s] < hi - lo or s not in self.contributions)]
+        return [s for s, (a, b) in enumerate(self.bounds) if s != self.me and self.gathered[s] < b - a]
 
     def fail(self, reason: str) -> None:
         self.failure = reason

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -69,16 +69,19 @@ class Work:
     mb: int
     x: torch.Tensor
     other: torch.Tensor | None  # grad_y for backward, targets for forward_backward
-    accumulate: bool  # False for a repeated mb: compute, answer, add nothing
+    accumulate: bool  # the stage core admitted it (StageCore.admit); False: compute, answer, add nothing
     future: asyncio.Future
+    epoch: int = 0  # the core's state epoch at admission: a state replaced since then adds nothing
     solo: bool = False  # never batched (an architecture without per-sample losses)
     started: bool = False  # set on the loop when a worker takes it
-    computed: bool = False  # set in the compute thread once its gradient is in the accumulator
+    added: bool = False  # set in the compute thread once its gradient is in the accumulator
+    abandoned: bool = False  # its caller left: a worker that has not taken it yet skips it
+    replay: bool = False  # a call for the step just committed: computed on its parameters, adds nothing
 
     @property
     def key(self) -> tuple:
         other = None if self.other is None else (self.other.dtype, tuple(self.other.shape[1:]))
-        alone = id(self) if self.solo else None
+        alone = id(self) if self.solo or self.replay else None
         return self.kind, self.step, self.accumulate, self.x.dtype, tuple(self.x.shape[1:]), other, alone
 
 
@@ -98,49 +101,79 @@ class Lane:
     finish: Callable[[], None] = field(default=lambda: None)
 
 
+@dataclass(frozen=True)
+class Previous:
+    """The parameters step `step` was computed on, kept after its commit (`StageLimits.replay_previous`):
+    a call for that step that arrives late (its caller's first attempt timed out, but the stage
+    committed with it) is answered on them, so the stages below still get the exact input gradient."""
+
+    step: int
+    params: dict[str, torch.Tensor]
+
+    def module(self, stage: Stage) -> Callable:
+        return lambda *args: torch.func.functional_call(stage, self.params, args)
+
+
 class StageCompute:
     def __init__(self, stage: Stage, params: list[torch.nn.Parameter], accumulator: Accumulator,
-                 guard: ParamGuard, committed: Callable[[], int], lane: Lane) -> None:
+                 guard: ParamGuard, committed: Callable[[], int], epoch: Callable[[], int], lane: Lane,
+                 previous: Callable[[], "Previous | None"] = lambda: None,
+                 autocast: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.stage, self.params, self.accumulator = stage, params, accumulator
-        self.guard, self.committed, self.lane = guard, committed, lane
+        self.guard, self.committed, self.epoch, self.lane = guard, committed, epoch, lane
+        self.previous = previous
+        # The seam for mixed precision: every forward of the stage (and the recomputed one of a
+        # backward) runs inside it, the gradients are taken outside; parameters, sums, all-reduce
+        # and optimizer stay fp32, and answers go back fp32 (the wire specs say so).
+        self.autocast = autocast
 
     def run(self, batch: list[Work]) -> list[Answer]:
         """Compute one batch (all of one `Work.key`); raises StaleStep if its step is committed."""
         head = batch[0]
         with self.guard.read():
             committed = self.committed()
-            if head.step < committed:
+            previous = self.previous() if head.replay else None
+            if head.step < committed and (previous is None or previous.step != head.step):
                 raise StaleStep(head.step, committed)
+            if head.step >= committed:
+                previous = None  # not committed after all (a download rewound us): the live parameters
+            if head.accumulate and head.epoch != self.epoch():
+                for w in batch:  # admitted before the state was replaced: nothing it held counts now
+                    w.accumulate = False
             with self.lane.stream():
                 xs = self.lane.upload([w.x for w in batch])
                 others = self.lane.upload([w.other for w in batch]) if head.other is not None else []
-                answers = self._dispatch(head, batch, xs, others)
+                answers = self._dispatch(head, batch, xs, others, previous)
             self.lane.finish()
         return answers
 
-    def _dispatch(self, head: Work, batch: list[Work], xs: list, others: list) -> list[Answer]:
+    def _dispatch(self, head: Work, batch: list[Work], xs: list, others: list,
+                  previous: "Previous | None" = None) -> list[Answer]:
         sizes = [x.shape[0] for x in xs]
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        stage = self.stage if previous is None else previous.module(self.stage)
         if head.kind == FORWARD:
-            with torch.no_grad():
-                y = self.stage(x)  # (B, T, C)
-            return [Answer(t) for t in self.lane.download(list(y.split(sizes)))]
+            with torch.no_grad(), self.autocast():
+                y = stage(x)  # (B, T, C)
+            return [Answer(t) for t in self.lane.download(list(y.float().split(sizes)))]
         other = others[0] if len(others) == 1 else torch.cat(others)
         if head.kind == BACKWARD:
             with torch.enable_grad():
                 x = self._input(x)
-                out = self.stage(x)  # (B, T, C)
+                with self.autocast():
+                    out = stage(x)  # (B, T, C)
                 grad_x = self._gradients(batch, out, other, x, sizes)
             return self._answers(grad_x, sizes, [None] * len(batch))
         with torch.enable_grad():
             x = self._input(x)
-            if len(batch) == 1:
-                total = self.stage(x, other)  # the sample-summed loss, exactly as a direct call
-                loss_sums = [total]
-            else:
-                per_sample = self.stage.sample_losses(x, other)  # (B,)
-                total = per_sample.sum()
-                loss_sums = [part.sum() for part in per_sample.split(sizes)]
+            with self.autocast():
+                if len(batch) == 1:
+                    total = stage(x, other)  # the sample-summed loss, exactly as a direct call
+                    loss_sums = [total]
+                else:
+                    per_sample = self.stage.sample_losses(x, other)  # (B,)
+                    total = per_sample.sum()
+                    loss_sums = [part.sum() for part in per_sample.split(sizes)]
             grad_x = self._gradients(batch, total, None, x, sizes)
             losses = [float(v.detach()) for v in loss_sums]
         return self._answers(grad_x, sizes, losses)
@@ -160,7 +193,7 @@ class StageCompute:
         if head.accumulate:
             self.accumulator.add(head.step, [w.mb for w in batch], sum(sizes), list(grads[: len(self.params)]))
             for w in batch:
-                w.computed = True
+                w.added = True
         return None if self.stage.is_first else grads[-1]
 
     def _answers(self, grad_x: torch.Tensor | None, sizes: list[int], losses: list) -> list[Answer]:

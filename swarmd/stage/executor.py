@@ -101,14 +101,14 @@ class Executor:
                 self._ready.clear()
                 await self._ready.wait()
             head = self._queue.popleft()
-            if head.future.done():  # its caller gave up while it waited
+            if _given_up(head):  # its caller left while it waited
                 continue
             batch = [head]
             key = head.key
             for work in list(self._queue):
                 if len(batch) >= self._limits.max_batch:
                     break
-                if work.key == key and not work.future.done():
+                if work.key == key and not _given_up(work):
                     self._queue.remove(work)
                     batch.append(work)
             for work in batch:
@@ -118,3 +118,11 @@ class Executor:
     def _measure(self, samples: int, seconds: float) -> None:
         rate = samples / max(seconds, 1e-9)
         self.samples_per_s = rate if self.samples_per_s == 0.0 else (1 - RATE_EMA) * self.samples_per_s + RATE_EMA * rate
+
+
+def _given_up(work: Work) -> bool:
+    """Was the work's caller gone before compute began? Its future is then settled here (cancelled),
+    which is what releases its claim (the service's settle callback), whoever was waiting."""
+    if work.abandoned and not work.future.done():
+        work.future.cancel()
+    return work.future.done()

@@ -49,9 +49,32 @@ class StageLimits:
     # a mate ahead can be hidden for a moment (a directory read that missed it, a poll that timed
     # out), and a peer that merely lags must download its state, never jump past the updates.
     resume_after_s: float = 10.0
-    # One all-reduce round (reduce + gather); a mate silent this long is excluded and the round
-    # restarts with the others. Must cover shipping the whole gradient over the slowest link.
+    # A peer invited into a round by a leader with a smaller id does not lead one itself for this
+    # long, even where its own view misses that leader (asymmetric views): otherwise two leaders
+    # that each see a different member set refuse each other's rounds on every poll.
+    defer_s: float = 1.0
+    # A leader whose rounds failed here twice in a row is refused for this long, doubled per further
+    # failure up to bench_max_s (it may see us but not be reachable from us: its rounds cannot
+    # finish); a member whose parts did not arrive in time likewise stays out of this peer's rounds
+    # (a straggler catches up by download instead of holding every round hostage).
+    bench_s: float = 1.0
+    bench_max_s: float = 60.0
+    # The longest one all-reduce round (reduce + gather) may take. Each round's own timeout is
+    # derived from the bytes each member moves and the slowest member's measured send rate
+    # (`allreduce.round_timeout`: round_time_margin x bytes / rate, at least round_timeout_floor_s),
+    # capped here; before any rate is measured, this cap. A mate whose parts miss it is benched.
     round_timeout_s: float = 60.0
+    # The shortest a round's timeout gets however fast the links look: scheduling noise, a
+    # garbage-collection pause, a loaded event loop must not fail a round.
+    round_timeout_floor_s: float = 5.0
+    # How many times the expected transfer time a round is given: a measured rate is an average,
+    # and the gather follows the reduce on the same links.
+    round_time_margin: float = 4.0
+    # Keep the parameters of the step committed last (one more copy of them) so that a call for
+    # that step arriving after the commit (its caller timed out, retried, and the stage committed
+    # with the first copy) is still answered exactly, on those parameters, adding nothing: the
+    # stages below need its input gradient. False: such a call is answered `stale_step`.
+    replay_previous: bool = True
     # Largest tensor payload of one all-reduce message: bounded messages keep a slow link fair to
     # activations travelling on the same connection, and bound what an unknown round can make us hold.
     allreduce_chunk_bytes: int = 4 * MiB
@@ -70,6 +93,9 @@ class StageLimits:
     clip_iterations: int = 3
     # centered_clip: a peer further than this many τ from the aggregate is reported an outlier.
     outlier_factor: float = 2.0
+    # Members named in one round (its invitation and parts): the member list is read from a mate
+    # before anything is allocated from it; a stage of more peers than this runs no round at all.
+    max_round_members: int = 256
     # Rounds a peer buffers parts for at once (its own plus one a mate started first).
     max_open_rounds: int = 2
     # Ids of rounds closed here (finished, failed, aborted) remembered so that their late parts are
@@ -96,6 +122,9 @@ class StageLimits:
             elif field.name == "allreduce_codec":
                 if value not in CODECS:
                     raise ValueError(f"StageLimits.allreduce_codec must be one of {CODECS}, got {value!r}")
+            elif field.name == "replay_previous":
+                if not isinstance(value, bool):
+                    raise ValueError(f"StageLimits.replay_previous must be a bool, got {value!r}")
             elif field.name == "torch_threads":
                 if value is not None and (not isinstance(value, int) or value < 1):
                     raise ValueError(f"StageLimits.torch_threads must be None or >= 1, got {value!r}")

@@ -9,17 +9,47 @@ with `not_serving`. The schema is docs/stage-rpc.md.
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from swarmd.stage.errors import bad_input, not_serving
 from transport.rpc import Message, Request, Router
 
-if TYPE_CHECKING:
-    from swarmd.stage.service import StageService
 
-UNARY = ("forward", "backward", "forward_backward", "info",
-         "sync.progress", "sync.round", "sync.reduce", "sync.gather", "sync.abort")
+class ServedStage(Protocol):
+    """What the server routes calls to (StageService)."""
+
+    job_id: bytes
+    stage_index: int
+
+    async def forward(self, req: Request) -> Message: ...
+    async def backward(self, req: Request) -> Message: ...
+    async def forward_backward(self, req: Request) -> Message: ...
+    async def info(self, req: Request) -> Message: ...
+    async def wait_commit(self, req: Request) -> Message: ...
+    async def sync_progress(self, req: Request) -> Message: ...
+    async def sync_round(self, req: Request) -> Message: ...
+    async def sync_reduce(self, req: Request) -> Message: ...
+    async def sync_gather(self, req: Request) -> Message: ...
+    async def sync_abort(self, req: Request) -> Message: ...
+    def state_stream(self, req: Request) -> AsyncIterator[Message]: ...
+
+
+Handler = Callable[[ServedStage, Request], Awaitable[Message]]
+
+#: Every unary method and the service handler it reaches: one explicit table, no name strings.
+UNARY: dict[str, Handler] = {
+    "stage.forward": lambda s, r: s.forward(r),
+    "stage.backward": lambda s, r: s.backward(r),
+    "stage.forward_backward": lambda s, r: s.forward_backward(r),
+    "stage.info": lambda s, r: s.info(r),
+    "stage.wait_commit": lambda s, r: s.wait_commit(r),
+    "stage.sync.progress": lambda s, r: s.sync_progress(r),
+    "stage.sync.round": lambda s, r: s.sync_round(r),
+    "stage.sync.reduce": lambda s, r: s.sync_reduce(r),
+    "stage.sync.gather": lambda s, r: s.sync_gather(r),
+    "stage.sync.abort": lambda s, r: s.sync_abort(r),
+}
 
 
 _BY_ROUTER: "weakref.WeakKeyDictionary[Router, StageServer]" = weakref.WeakKeyDictionary()
@@ -35,29 +65,27 @@ class StageServer:
         return server
 
     def __init__(self, router: Router) -> None:
-        self._services: dict[tuple[bytes, int], StageService] = {}
-        for name in UNARY:
-            router.unary(f"stage.{name}", self._unary(name))
+        self._services: dict[tuple[bytes, int], ServedStage] = {}
+        for method, handler in UNARY.items():
+            router.unary(method, self._unary(handler))
         router.stream("stage.state", self._state)
 
-    def add(self, service: "StageService") -> None:
+    def add(self, service: ServedStage) -> None:
         key = (service.job_id, service.stage_index)
         if key in self._services:
             raise ValueError(f"stage {service.stage_index} of this job is already served here")
         self._services[key] = service
 
-    def remove(self, service: "StageService") -> None:
+    def remove(self, service: ServedStage) -> None:
         if self._services.get((service.job_id, service.stage_index)) is service:
             del self._services[(service.job_id, service.stage_index)]
 
-    def services(self) -> list["StageService"]:
+    def services(self) -> list[ServedStage]:
         return list(self._services.values())
 
-    def _unary(self, name: str):
-        method = name.replace(".", "_")
-
+    def _unary(self, handler: Handler):
         async def handle(req: Request) -> Message:
-            return await getattr(self._lookup(req), method)(req)
+            return await handler(self._lookup(req), req)
 
         return handle
 
@@ -65,7 +93,7 @@ class StageServer:
         async for item in self._lookup(req).state_stream(req):
             yield item
 
-    def _lookup(self, req: Request) -> "StageService":
+    def _lookup(self, req: Request) -> ServedStage:
         job, stage = req.meta.get("job"), req.meta.get("stage")
         if not isinstance(job, bytes) or type(stage) is not int:
             raise bad_input("meta must carry 'job' (bytes) and 'stage' (int)")

@@ -11,6 +11,7 @@ init; only then does it accept work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections import deque
@@ -28,12 +29,16 @@ from swarmd.model import build_stage
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
-from swarmd.stage.compute import BACKWARD, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, StageCompute, Work
+from swarmd.stage.compute import BACKWARD, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous, StageCompute, Work
+from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan, StageCore, initial_digest,
+                               jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
 from swarmd.stage.executor import Executor, QueueFull
 from swarmd.stage.limits import StageLimits
+from swarmd.stage.robust import CENTERED_CLIP
 from swarmd.stage.server import StageServer
-from swarmd.stage.state import Snapshot, StateError, apply_snapshot, download, snapshot_messages, take_snapshot
+from swarmd.stage.state import (Snapshot, StateError, apply_snapshot, content_digest, download, snapshot_messages,
+                                take_snapshot)
 from swarmd.stage.sync import StageSync
 from transport.errors import RpcError, TransportError
 from transport.rpc import Message, Pool, Request, Router
@@ -52,13 +57,14 @@ class StepRecord:
 
     step: int
     members: int
-    samples: int  # summed over members: global_samples + summed_duplicates x microbatch_samples
-    # Microbatches whose gradient two or more members of the round summed: a real double count in
-    # the step (it cannot be subtracted out of a sum), the only reason `samples` exceeds the batch.
+    samples: int  # behind the summed gradient: global_samples (I1, docs/stage-rpc.md)
+    # Microbatches summed more than once: 0 by construction (the round plan keeps disjoint sums),
+    # kept in the record so a trainer that checks it sees the invariant hold.
     summed_duplicates: int
-    # Copies of microbatches this peer saw but did not sum: repeats it refused (it already held
-    # that id) and arrivals after the round took its sum (covered by a mate). Harmless: not in
-    # `samples`, not in the gradient; many of them mean a trainer re-sends what the stage holds.
+    # Copies of microbatches this peer saw but did not sum: repeats it refused (it or a mate
+    # already held that id) and arrivals after the round took its sum (covered by a mate), plus,
+    # stage-wide, the ids of members the round left out. Harmless: not in `samples`, not in the
+    # gradient; many of them mean a trainer re-sends what the stage holds.
     dropped_repeats: int
     lr: float
     grad_norm: float
@@ -66,6 +72,8 @@ class StepRecord:
     # Hex peer ids whose gradient the robust aggregate (StageLimits.aggregate) clipped past
     # outlier_factor·τ or left out as non-finite; always empty with the exact mean.
     outliers: tuple[str, ...] = ()
+    left_out: int = 0  # members whose sums the round left out (they overlapped a kept member's)
+    digest: str = ""  # hex digest of the state this step produced (equal on every member)
 
 
 class StageService:
@@ -82,7 +90,10 @@ class StageService:
         self.limits = limits
         self.state_dir = None if state_dir is None else ckpt.checkpoint_dir(Path(state_dir), job_id, stage_index)
         self.microbatches = spec.batch.microbatches_per_step
-        self.state = "stopped"
+        self.core = StageCore(peer_id, address, CoreConfig(
+            self.microbatches, limits.missing_grace_s, limits.resume_after_s, defer_s=limits.defer_s,
+            bench_s=limits.bench_s, bench_max_s=limits.bench_max_s, exact=limits.aggregate != CENTERED_CLIP),
+            delayed=spec.pipeline.delayed_updates)
         self.records: deque[StepRecord] = deque(maxlen=limits.records_kept)
         self.sync = StageSync(self)
         self._tasks = TaskSet(f"stage {stage_index}")
@@ -93,9 +104,24 @@ class StageService:
         self._resume_lock = asyncio.Lock()
         # (from, to) for every jump over steps this stage lost (see `_resume_at`), shown by stage.info.
         self.skipped: deque[tuple[int, int]] = deque(maxlen=limits.records_kept)
-        # (committed, loop time): since when every look found this peer behind with no mate ahead.
-        self._behind_since: tuple[int, float] | None = None
         self._streams = 0
+        # The digest of the parameters now in the module: written with them under the guard (the
+        # core's own copy follows on the event loop), so a snapshot always pairs the two.
+        self._state_digest = b""
+        # Bumped under the guard whenever the parameters are replaced (download, jump): a batch
+        # admitted before that adds nothing (its claim died with the old state).
+        self._state_epoch = 0
+        # The parameters of the step committed last, kept for late calls of that step (replays).
+        self._previous: Previous | None = None
+
+    @property
+    def state(self) -> Phase:
+        """The phase (a `str`: "joining", "serving", "draining", "stopping", "stopped")."""
+        return self.core.phase
+
+    @state.setter
+    def state(self, phase: str) -> None:
+        self.core.phase = Phase(phase)
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -177,11 +203,14 @@ class StageService:
             from swarmd.stage.cuda import cuda_lane
 
             lane, workers = cuda_lane(self.device), 1  # one stream per stage: one thread feeds it
-        self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.committed, lane)
+        self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.opt.step_count,
+                                    lambda: self._state_epoch, lane, lambda: self._previous)
         self.executor = Executor(self.compute.run, self.limits, workers, f"stage{self.stage_index}")
 
     async def _join(self) -> None:
-        mates = [m for m in await self.sync.poll() if m.state == "serving"]
+        self._state_digest = initial_digest(self.spec.seed, self.stage_index)
+        self.core.replaced(0, self._state_digest)
+        mates = [m for m in await self.sync.poll() if m.state == Phase.SERVING]
         if mates:
             ordered = sorted(mates, key=lambda m: -m.step)
             if await self._download([(m.peer_id, m.addr) for m in ordered]):
@@ -189,17 +218,20 @@ class StageService:
         if self.state_dir is not None:
             snapshot = await asyncio.to_thread(ckpt.newest_checkpoint, self.state_dir, self.stage_index)
             if snapshot is not None:
+                snapshot.digest = await self.in_aux(content_digest, snapshot)
                 await self._apply(snapshot)
                 log.info("stage %d restored checkpoint of step %d", self.stage_index, snapshot.step)
 
-    async def catch_up(self, mates: list[tuple[bytes, str]]) -> None:
-        """A mate is ahead of us (we missed a commit): replace our state with its."""
-        self.state = "joining"
+    async def catch_up(self, download: Download) -> None:
+        """The core says our state is not the stage's (a mate is ahead, or the visible peers at our
+        step agree on another digest): stop serving and replace it with a mate's."""
+        log.info("stage %d at step %d downloads: %s", self.stage_index, self.committed, download.reason)
+        self.state = Phase.JOINING
         try:
-            await self._download(mates)
+            await self._download(list(download.sources))
         finally:
-            if self.state == "joining":
-                self.state = "serving"
+            if self.state == Phase.JOINING:
+                self.state = Phase.SERVING
 
     async def _download(self, mates: list[tuple[bytes, str]]) -> bool:
         for peer_id, addr in mates:
@@ -215,13 +247,20 @@ class StageService:
         return False
 
     async def _apply(self, snapshot: Snapshot) -> None:
+        if snapshot.digest is None:
+            raise StateError("a state without its digest")
+
         def apply() -> None:
             with self.guard.write():
                 apply_snapshot(snapshot, self.stage, self.opt)
                 self.accumulator.clear()
+                self._state_digest = snapshot.digest
+                self._state_epoch += 1
+                self._previous = None
                 self._settle()
 
         await self.in_aux(apply)
+        self.core.replaced(snapshot.step, snapshot.digest)
         self._notify_commit()
 
     # ------------------------------------------------------------------------ what others read
@@ -229,7 +268,12 @@ class StageService:
     @property
     def committed(self) -> int:
         """Optimizer steps this peer has taken: the step it accepts work for."""
-        return self.opt.step_count
+        return self.core.step
+
+    @property
+    def digest(self) -> bytes:
+        """The digest of this peer's state (equal on every peer of the stage that agrees: I2)."""
+        return self.core.digest
 
     def announcement(self) -> dict[str, Any]:
         """The fields of this peer's DHT announcement for the stage."""
@@ -239,8 +283,8 @@ class StageService:
     def meta(self) -> dict[str, Any]:
         return {"job": self.job_id, "stage": self.stage_index}
 
-    def step_ids(self, step: int) -> range:
-        return range(step * self.microbatches, (step + 1) * self.microbatches)
+    def step_ids(self, step: int) -> frozenset[int]:
+        return self.core.step_ids(step)
 
     def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
         return self._tasks.spawn(coro, name)
@@ -254,56 +298,65 @@ class StageService:
     async def forward(self, req: Request) -> Message:
         if self.stage.is_last:
             raise bad_input("the last stage answers stage.forward_backward, not stage.forward")
-        answer, _ = await self._compute_call(req, FORWARD)
-        return Message({}, [answer.tensor], codec=self.spec.wire.activations)
+        answer, admitted = await self._compute_call(req, FORWARD)
+        return Message({"replayed": admitted.get("replayed", False)}, [answer.tensor], codec=self.spec.wire.activations)
 
     async def backward(self, req: Request) -> Message:
         if self.stage.is_last:
             raise bad_input("the last stage answers stage.forward_backward, not stage.backward")
-        answer, duplicate = await self._compute_call(req, BACKWARD)
+        answer, admitted = await self._compute_call(req, BACKWARD)
         tensors = [] if answer.tensor is None else [answer.tensor]
-        return Message({"duplicate": duplicate}, tensors, codec=self.spec.wire.gradients)
+        return Message(admitted, tensors, codec=self.spec.wire.gradients)
 
     async def forward_backward(self, req: Request) -> Message:
         if not self.stage.is_last:
             raise bad_input(f"stage.forward_backward is for the last stage; this is stage {self.stage_index}")
-        answer, duplicate = await self._compute_call(req, FORWARD_BACKWARD)
+        answer, admitted = await self._compute_call(req, FORWARD_BACKWARD)
         tensors = [] if answer.tensor is None else [answer.tensor]
-        return Message({"loss_sum": answer.loss_sum, "duplicate": duplicate}, tensors, codec=self.spec.wire.gradients)
+        return Message({"loss_sum": answer.loss_sum, **admitted}, tensors, codec=self.spec.wire.gradients)
 
-    async def _compute_call(self, req: Request, kind: str):
-        if self.state != "serving":
+    async def _compute_call(self, req: Request, kind: str) -> tuple[Any, dict[str, Any]]:
+        """Run one call; returns its answer and the reply's admission meta (`duplicate`: this peer
+        already held the microbatch; `added`: this call's gradient went into its sum; `held_by_mate`:
+        a mate of its lineage holds or computes it, so it was not added here)."""
+        if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         step, mb, samples = self._check_meta(req.meta)
         x, other = await self._check_tensors(kind, req.tensors, samples)
-        await self._gate(step, req.deadline)
+        replay = await self._gate(step, req.deadline)
+        if self.state != Phase.SERVING:
+            raise busy(f"this peer is {self.state}")
         loop = asyncio.get_running_loop()
-        accumulate = kind != FORWARD and self.accumulator.claim(step, mb)
+        admission = self.core.admit(loop.time(), step, mb) if kind != FORWARD and not replay else Admission.REPEAT
         # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
-        work = Work(kind, step, mb, x, other, accumulate, loop.create_future(), solo=solo)
+        work = Work(kind, step, mb, x, other, admission == Admission.ACCUMULATE, loop.create_future(),
+                    epoch=self._state_epoch, solo=solo, replay=replay)
+        if work.accumulate:
+            # Whatever becomes of the call (answered, failed, refused, its caller gone), the claim
+            # is released once its compute is over unless the gradient went in (I3: no claim leak).
+            epoch = self.core.epoch
+            work.future.add_done_callback(lambda future: self._settled(work, epoch, future))
         try:
             self.executor.submit(work)
-            answer = await work.future
         except QueueFull as exc:
-            self._release(work)
+            work.future.cancel()
             raise busy(str(exc)) from None
+        try:
+            answer = await asyncio.shield(work.future)
         except StaleStep as exc:
-            self._release(work)
             raise exc.to_rpc() from None
         except asyncio.CancelledError:
-            if not work.started:
-                self._release(work)
+            work.abandoned = True  # a worker that has not taken it skips it (and settles it)
             raise
-        except BaseException:
-            if not work.computed:
-                self._release(work)
-            raise
-        return answer, kind != FORWARD and not accumulate
+        admitted = {"duplicate": admission == Admission.REPEAT, "added": work.added,
+                    "held_by_mate": admission == Admission.HELD_BY_MATE}
+        return answer, {**admitted, "replayed": True} if replay else admitted
 
-    def _release(self, work: Work) -> None:
-        if work.accumulate and not work.computed:
-            self.accumulator.release(work.step, [work.mb])
+    def _settled(self, work: Work, epoch: int, future: asyncio.Future) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved here: its caller may be gone
+        self.core.settled(work.step, work.mb, epoch, work.added)
 
     def _check_meta(self, meta: dict) -> tuple[int, int, int]:
         step, mb, samples = meta.get("step"), meta.get("mb"), meta.get("samples")
@@ -350,16 +403,20 @@ class StageService:
                 return f"{what}: token ids must be in [0, {vocab})"
         return None
 
-    async def _gate(self, step: int, deadline: float | None) -> None:
-        """Work for a future step waits here for this peer's commit, up to the call's deadline."""
+    async def _gate(self, step: int, deadline: float | None) -> bool:
+        """Work for a future step waits here for this peer's commit, up to the call's deadline.
+        True: the step was just committed and this peer still holds its parameters (a replay)."""
         loop = asyncio.get_running_loop()
         ahead = 1 if self.spec.pipeline.delayed_updates else 0
         while True:
             committed = self.committed
             if step < committed:
+                previous = self._previous
+                if previous is not None and previous.step == step:
+                    return True
                 raise StaleStep(step, committed).to_rpc()
-            if step <= committed + ahead:
-                return
+            if self.core.accepts(step):
+                return False
             if await self._resume_at(step - ahead) or self.committed != committed:
                 continue
             now = loop.time()
@@ -393,37 +450,34 @@ class StageService:
         again (the trainers hold only step s), so waiting for their commits deadlocks the job. The
         updates of those steps are lost with the peers that held them; the stage takes up the
         swarm's step with its checkpointed parameters (the LR schedule continues at s), as a
-        pipeline resumed from per-stage checkpoints must.
+        pipeline resumed from per-stage checkpoints must. Gradients this peer holds for its old
+        step go with them: its mates that committed that step died, so nobody will complete it
+        (I3: such a survivor is not stuck).
 
-        Allowed only when this peer is not mid-step (no round running, no gradient held for its
-        current step), no stage-mate is ahead by a fresh poll nor silent in it (a mate ahead must
-        be downloaded from, and the sync loop does that: this is also the everyday case of a peer
-        that commits a moment after its mates, which must never skip; a mate whose poll times out
-        may be one), a peer of another stage has committed `target` steps (so one confused trainer
-        cannot push a stage forward on its word alone), and all of that has held at every look for
-        `resume_after_s`: a directory read can miss a mate that is there, and a peer that merely
-        lags would lose the updates it jumped over. True when this peer now accepts work for `target`.
+        Each look must find no stage-mate ahead nor silent (a mate ahead must be downloaded from,
+        which the sync loop does: the everyday case of a peer that commits a moment after its
+        mates, which must never skip), and a peer of another stage at `target` (so one confused
+        trainer cannot push a stage forward on its word alone); the core allows the jump once every
+        look for `resume_after_s` agreed. True when this peer now accepts work for `target`.
         """
         async with self._resume_lock:
             if self.committed >= target:
                 return True
-            if not await self._behind_alone(target):
-                self._behind_since = None
+            looks_alone = await self._behind_alone(target)
+            if not self.core.behind_alone(asyncio.get_running_loop().time(), looks_alone):
                 return self.committed >= target
-            now = asyncio.get_running_loop().time()
-            if self._behind_since is None or self._behind_since[0] != self.committed:
-                self._behind_since = (self.committed, now)
-            if now - self._behind_since[1] < self.limits.resume_after_s:
-                return False
-            self._behind_since = None
             lost_from = self.committed
 
             def jump() -> None:
                 with self.guard.write():
                     self.opt.step_count = target
                     self.accumulator.clear()
+                    self._state_digest = jump_digest(self._state_digest, target)
+                    self._state_epoch += 1
+                    self._previous = None
 
             await self.in_aux(jump)
+            self.core.jumped(target)
             self.skipped.append((lost_from, target))
             log.warning("stage %d resumed at step %d with the state of step %d: the swarm went on without "
                         "it, so its updates of steps %d to %d are lost", self.stage_index, target, lost_from,
@@ -433,23 +487,18 @@ class StageService:
 
     async def _behind_alone(self, target: int) -> bool:
         """Does this look find the swarm at `target` and no mate of this stage that may be ahead?"""
-        if target >= self.spec.steps or self._mid_step() or self.sync.mate_ahead():
+        if target >= self.spec.steps or self.core.round_id is not None or self.core.mate_ahead():
             return False
         # A directory backed by the DHT fails in many ways; a failed look is a "not now".
         try:
-            mates = await self.sync.poll()
-            if any(m.state == "serving" and m.step > self.committed for m in mates) or self.sync.mate_slow():
-                return False  # a mate holds (or may hold) newer state: StageSync.tick downloads it
+            await self.sync.poll()
+            if self.core.mate_ahead() or self.core.mate_slow():
+                return False  # a mate holds (or may hold) newer state: the sync loop downloads it
             evidence = await self._other_stages_step() if self.spec.pipeline.stages > 1 else target
         except Exception as exc:  # noqa: BLE001
             log.debug("stage %d: cannot check whether the swarm is ahead: %s", self.stage_index, exc)
             return False
-        return evidence >= target and self.committed < target and not self._mid_step()
-
-    def _mid_step(self) -> bool:
-        """Is this peer taking part in its current step (a round, gradients held, a download)?"""
-        return (self.state != "serving" or self.sync.in_round
-                or bool(self.accumulator.progress(self.committed).ids))
+        return evidence >= target and self.committed < target
 
     async def _other_stages_step(self) -> int:
         """The most steps any live peer of another stage of the job has committed (-1: none answers)."""
@@ -481,17 +530,43 @@ class StageService:
         progress = self.accumulator.progress(self.committed) if self.state != "stopped" else None
         last = asdict(self.records[-1]) if self.records else None
         return Message({
-            "step": self.committed, "state": self.state, "queue": self.executor.depth,
+            "step": self.committed, "state": str(self.state), "digest": self.digest, "queue": self.executor.depth,
             "accumulated_samples": progress.samples if progress else 0,
             "samples_per_s": self.executor.samples_per_s,
             "missing": self.sync.missing, "uncovered": self.sync.uncovered,
-            "dropped_repeats": self.accumulator.repeats(self.committed),
+            "dropped_repeats": self.core.repeats(self.committed),
             "last_step": last, "round_failure": self.sync.last_failure,
             "skipped": [list(jump) for jump in self.skipped],
         }, codec="none")
 
+    async def wait_commit(self, req: Request) -> Message:
+        """`stage.wait_commit {step, timeout_s}`: answered once this peer has committed past `step`
+        (or at the timeout, bounded by max_wait_s and the call's deadline), with the step, digest and
+        last record: a trainer waits on one peer per stage instead of polling every peer."""
+        step, timeout_s = req.meta.get("step"), req.meta.get("timeout_s")
+        if type(step) is not int or isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not timeout_s >= 0:
+            raise bad_input("stage.wait_commit needs int step and timeout_s >= 0")
+        loop = asyncio.get_running_loop()
+        until = loop.time() + min(float(timeout_s), self.limits.max_wait_s)
+        if req.deadline is not None:
+            until = min(until, req.deadline - min(0.25, max(0.0, req.deadline - loop.time()) / 10))
+        if self.committed <= step and until > loop.time():
+            if self._waiting >= self.limits.max_waiting:
+                raise busy(f"{self._waiting} calls already wait for a commit (max_waiting)")
+            self._waiting += 1
+            try:
+                while self.committed <= step and until > loop.time():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout_at(until):
+                            await self._committed_event.wait()
+            finally:
+                self._waiting -= 1
+        last = asdict(self.records[-1]) if self.records else None
+        return Message({"step": self.committed, "digest": self.digest, "last_step": last}, codec="none")
+
     async def state_stream(self, req: Request) -> AsyncIterator[Message]:
-        if self.state != "serving":
+        if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         if self._streams >= self.limits.max_state_streams:
             raise busy(f"{self._streams} state downloads already running (max_state_streams)")
@@ -505,7 +580,9 @@ class StageService:
 
     def snapshot(self) -> Snapshot:
         with self.guard.read():
-            return take_snapshot(self.stage, self.opt)
+            snapshot = take_snapshot(self.stage, self.opt)
+            snapshot.digest = self._state_digest  # written under the guard with the parameters
+            return snapshot
 
     # ------------------------------------------------------------------------ stage-mates
 
@@ -530,13 +607,15 @@ class StageService:
                  for p, g in zip(self.params, grads)]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    async def commit(self, step: int, flat: torch.Tensor, members: int, samples: int, summed_duplicates: int,
+    async def commit(self, step: int, round_id: bytes, flat: torch.Tensor, members: list[bytes], plan: RoundPlan,
                      outliers: tuple[str, ...] = ()) -> None:
         """Take the optimizer step on the all-reduced gradient sum (every member does the same)."""
         def step_now():
             with self.guard.write():
-                if self.committed != step:
+                if self.committed != step or self.opt.step_count != step:
                     raise RoundFailed(f"step {step} is no longer current (at {self.committed})")
+                if self.limits.replay_previous:
+                    self._previous = Previous(step, {name: p.detach().clone() for name, p in self.stage.named_parameters()})
                 offset = 0
                 for p in self.params:
                     n = p.numel()
@@ -547,24 +626,28 @@ class StageService:
                 except NonFiniteGradient as exc:
                     report = self._skip_step(exc)
                 self._settle()
-                repeats = self.accumulator.finish(step)
+                late = self.accumulator.finish(step)
+                self._state_digest = next_digest(self._state_digest, step, round_id)
                 # Copied here, under the guard, so the checkpoint holds exactly this step.
-                return report, repeats, take_snapshot(self.stage, self.opt) if self._checkpoint_due() else None
+                return report, late, take_snapshot(self.stage, self.opt) if self._checkpoint_due() else None
 
-        report, repeats, snapshot = await asyncio.shield(self.in_aux(step_now))
-        record = StepRecord(step, members, samples, summed_duplicates, repeats, report.lr,
-                            report.grad_norm, report.clipped, outliers)
+        repeats = self.core.repeats(step)
+        report, late, snapshot = await asyncio.shield(self.in_aux(step_now))
+        self.core.committed(asyncio.get_running_loop().time(), step, round_id, members[0], members)
+        record = StepRecord(step, len(members), plan.samples, 0, repeats + late, report.lr,
+                            report.grad_norm, report.clipped, outliers, len(plan.left_out), self.digest.hex())
         self.records.append(record)
-        if record.summed_duplicates or record.dropped_repeats:
-            log.info("stage %d step %d: %d microbatches summed twice, %d repeats dropped", self.stage_index, step,
-                     record.summed_duplicates, record.dropped_repeats)
+        if record.dropped_repeats or record.left_out:
+            log.info("stage %d step %d: %d copies of microbatches not summed, %d members' sums left out",
+                     self.stage_index, step, record.dropped_repeats, record.left_out)
         self._notify_commit()
         if snapshot is not None:
+            snapshot.digest = self._state_digest
             self.spawn(self._checkpoint(snapshot), f"checkpoint {snapshot.step}")
 
     def _checkpoint_due(self) -> bool:
         every = self.spec.checkpoint.every_steps
-        return self.state_dir is not None and every > 0 and self.committed % every == 0
+        return self.state_dir is not None and every > 0 and self.opt.step_count % every == 0
 
     def _skip_step(self, exc: NonFiniteGradient) -> StepReport:
         """Every member reduced the same non-finite gradient: all skip the update alike (as AMP's

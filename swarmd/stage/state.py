@@ -11,6 +11,7 @@ whole is refused unless every element arrived once, is finite, and the optimizer
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmd.optim import OptimizerState, StageOptimizer, export_state, import_state
+from swarmd.stage.core import DIGEST_BYTES
 from transport.codecs import DTYPES
 from transport.rpc import Message, Pool
 
@@ -34,6 +36,23 @@ class Snapshot:
     step: int
     params: dict[str, torch.Tensor]
     optimizer: OptimizerState
+    # The stage core's digest of this state (swarmd.stage.core): travels with a download so the
+    # joiner shows its mates the same one; None for a checkpoint read back (see content_digest).
+    digest: bytes | None = None
+
+
+def content_digest(snapshot: Snapshot) -> bytes:
+    """A digest of the state's bytes (parameters, optimizer tensors, step), for a state restored
+    from a checkpoint: peers restoring equal checkpoints agree without having met (worker thread:
+    a pass over the whole state)."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h.update(b"checkpoint")
+    h.update(snapshot.step.to_bytes(8, "big"))
+    for table in (snapshot.params, snapshot.optimizer.tensors):
+        for name in sorted(table):
+            h.update(name.encode())
+            h.update(table[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def take_snapshot(module: torch.nn.Module, opt: StageOptimizer) -> Snapshot:
@@ -75,7 +94,7 @@ def snapshot_messages(snapshot: Snapshot, chunk_bytes: int) -> Iterator[Message]
     """Header, then pieces of at most `chunk_bytes` each (a large tensor is split), then an end mark."""
     tables = {"p": snapshot.params, "o": snapshot.optimizer.tensors}
     yield Message({
-        "kind": "header", "format": STATE_FORMAT, "step": snapshot.step,
+        "kind": "header", "format": STATE_FORMAT, "step": snapshot.step, "digest": snapshot.digest,
         "params": _describe(snapshot.params), "optim_tensors": _describe(snapshot.optimizer.tensors),
         "optim_meta": snapshot.optimizer.meta,
     }, codec="none")
@@ -132,6 +151,9 @@ class _Assembly:
         if type(step) is not int or step < 0:
             raise StateError(f"bad step {step!r}")
         self.step = step
+        self.digest = header.get("digest")
+        if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_BYTES:
+            raise StateError("the header carries no state digest")
         own = module.state_dict()
         largest = max((t.numel() for t in own.values()), default=0)
         described = self._parse(header.get("params"), "params")
@@ -190,4 +212,4 @@ class _Assembly:
         for (table, name), count in self.filled.items():
             if count != self.tables[table][name].numel():
                 raise StateError(f"{name}: {count} of {self.tables[table][name].numel()} elements arrived")
-        return Snapshot(self.step, self.tables["p"], OptimizerState(self.tables["o"], self.meta))
+        return Snapshot(self.step, self.tables["p"], OptimizerState(self.tables["o"], self.meta), self.digest)

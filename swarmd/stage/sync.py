@@ -1,15 +1,16 @@
-"""Stage-mates agree on each optimizer step: progress exchange, who leads a round, and the round.
+"""Stage-mates step together: the shell that carries out the stage core's round decisions.
 
-Every peer polls its mates' progress (`stage.sync.progress`: committed step and the microbatch ids
-it holds gradients for). When the union over live mates at the same step covers every microbatch
-of the step, the member with the smallest peer id leads: it asks every member to join a round
-(`stage.sync.round`, carrying the sorted member list) and all of them, including mates that hold
-no gradient at all, run the butterfly all-reduce and take the same optimizer step. A mate that
-vanishes mid-round makes the round fail on every member (its parts never come; failing members
-tell the others with `stage.sync.abort`, and stop sending at once); each puts back what it took,
-refuses the round's late parts from then on (allreduce.Mailbox), and the next poll starts again
-with whoever is left, reporting ids nobody live holds as `missing` so trainers re-send them.
-A peer that finds a mate ahead of it downloads that mate's state instead (it missed a commit).
+Every `sync_interval_s` a peer polls its mates' progress (`stage.sync.progress`: step, state,
+digest, and the microbatch ids it holds and computes, as ranges), hands the answers to the stage
+core (`StageCore.observe`) and does what `StageCore.decide` says: download a mate's state (a mate
+is ahead, or the visible peers at this step agree on another digest), or lead a round. A round
+(`stage.sync.round`, with the members, sorted by peer id, and the digest they share) runs the
+butterfly all-reduce (allreduce.py); every member sees every member's ids and samples with its
+first part, so every member computes the same `plan_round`: only the kept members' parts are
+summed, the others are left out (a microbatch is summed exactly once), and if the kept ones do not
+cover the step the round fails and the left-out members clear their sums. A round that fails on a
+member (a mate vanished or straggled, an abort) is put back; failing members tell the others
+(`stage.sync.abort`) and stop sending at once.
 """
 
 from __future__ import annotations
@@ -17,252 +18,282 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import torch
 
-from swarmd.stage.allreduce import Contribution, Mailbox, RoundBox
+from swarmd.directory import StageDirectory
+from swarmd.stage.accumulator import Accumulator
+from swarmd.stage.allreduce import WIRE_BYTES, Contribution, Mailbox, RoundBox, round_timeout
+from swarmd.stage.core import (DIGEST_BYTES, Download, Lead, MateView, Phase, RoundPlan, StageCore, every_member,
+                               plan_round)
 from swarmd.stage.errors import RoundFailed, bad_input, busy
+from swarmd.stage.idsets import decode_ranges, encode_ranges
+from swarmd.stage.limits import StageLimits
 from swarmd.stage.robust import CENTERED_CLIP, centered_clip
 from transport.codecs import decode_tensor, encode_tensor
 from transport.errors import DeadlineExceeded, RpcError, TransportError
-from transport.rpc import Message, Request
-
-if TYPE_CHECKING:
-    from swarmd.stage.service import StageService
+from transport.rpc import Message, Pool, Request
 
 log = logging.getLogger(__name__)
 
+RATE_EMA = 0.3  # weight of the newest part in the send-rate estimate: a few rounds to settle
+MIN_MEASURED_BYTES = 64 * 1024  # smaller parts measure latency, not the link's rate
 
-@dataclass(frozen=True)
-class MateView:
-    peer_id: bytes
-    addr: str
-    step: int
-    state: str
-    ids: frozenset[int]
+
+class StageHost(Protocol):
+    """What the sync shell needs from the service that owns it (StageService implements it)."""
+
+    core: StageCore
+    accumulator: Accumulator
+    limits: StageLimits
+    pool: Pool
+    directory: StageDirectory
+    job_id: bytes
+    stage_index: int
+    numel: int
+
+    def meta(self) -> dict[str, Any]: ...
+
+    async def in_aux(self, fn: Callable, *args: Any) -> Any: ...
+
+    def flatten(self, grads: list[torch.Tensor | None]) -> torch.Tensor: ...
+
+    async def commit(self, step: int, round_id: bytes, flat: torch.Tensor, members: list[bytes],
+                     plan: RoundPlan, outliers: tuple[str, ...]) -> None: ...
+
+    async def catch_up(self, download: Download) -> None: ...
+
+    def spawn(self, coro: Coroutine, name: str) -> asyncio.Task: ...
 
 
 class StageSync:
-    def __init__(self, service: "StageService") -> None:
-        self.s = service
+    def __init__(self, host: StageHost) -> None:
+        self.host = host
+        self.core = host.core
+        limits = host.limits
         # A join lags its round's first part by at most the leader's join call (progress_timeout_s);
         # twice that before a box nobody joined here counts as an orphan.
-        self.mailbox = Mailbox(service.limits.max_open_rounds, service.limits.round_timeout_s,
-                               2 * service.limits.progress_timeout_s, service.limits.closed_rounds_kept)
-        self.in_round = False
-        self.missing: list[int] = []  # ids some live peer once held for this step, none holds now
-        self.uncovered: list[int] = []  # ids of this step no live peer holds
+        self.mailbox = Mailbox(limits.max_open_rounds, limits.round_timeout_s,
+                               2 * limits.progress_timeout_s, limits.closed_rounds_kept)
         self.last_failure: str | None = None
-        self._seen: set[int] = set()
-        self._seen_step = -1
-        self._known: dict[bytes, MateView] = {}  # each mate's last progress answer
-        self._slow: dict[bytes, float] = {}  # mates whose progress calls time out, since when
+        self.rate = 0.0  # EMA of this peer's all-reduce send rate, bytes/s (shown to mates)
+
+    @property
+    def in_round(self) -> bool:
+        return self.core.round_id is not None
+
+    @property
+    def missing(self) -> list[int]:
+        return self.core.missing
+
+    @property
+    def uncovered(self) -> list[int]:
+        return self.core.uncovered
 
     # ----------------------------------------------------------------------------- polling
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.s.limits.sync_interval_s)
+            await asyncio.sleep(self.host.limits.sync_interval_s)
             try:
                 await self.tick()
             except (TransportError, RpcError, TimeoutError) as exc:
-                log.debug("stage %d sync: %s", self.s.stage_index, exc)
+                log.debug("stage %d sync: %s", self.host.stage_index, exc)
 
     async def tick(self) -> None:
-        mates = await self.poll()
-        if self.s.state != "serving" or self.in_round:
-            return
-        committed = self.s.committed
-        ahead = sorted((m for m in mates if m.step > committed and m.state == "serving"), key=lambda m: -m.step)
-        if ahead:
-            await self.s.catch_up([(m.peer_id, m.addr) for m in ahead])
-            return
-        same = [m for m in mates if m.step == committed and m.state == "serving"]
-        union = set(self.s.accumulator.progress(committed).ids)
-        for m in same:
-            union |= m.ids
-        self._coverage(committed, union)
-        members = sorted([(self.s.peer_id, self.s.address)] + [(m.peer_id, m.addr) for m in same])
-        if not self.uncovered and members[0][0] == self.s.peer_id:
-            await self.lead(committed, members)
+        await self.poll()
+        held = self.host.accumulator.progress(self.core.step).ids
+        action = self.core.decide(_now(), held)
+        if isinstance(action, Download):
+            await self.host.catch_up(action)
+        elif isinstance(action, Lead):
+            await self.lead(action)
 
     async def poll(self) -> list[MateView]:
-        peers = await self.s.directory.peers(self.s.job_id, self.s.stage_index)
-        mates = [p for p in peers if p.peer_id != self.s.peer_id]
+        """Ask every announced mate for its progress and tell the core what came back."""
+        peers = await self.host.directory.peers(self.host.job_id, self.host.stage_index)
+        mates = [p for p in peers if p.peer_id != self.core.peer_id]
         results = await asyncio.gather(*(self._progress(p.peer_id, p.addr) for p in mates), return_exceptions=True)
-        views = []
-        now = asyncio.get_running_loop().time()
+        views, slow = [], []
         for mate, result in zip(mates, results):
             if isinstance(result, MateView):
                 views.append(result)
-                self._slow.pop(mate.peer_id, None)
-                self._known[mate.peer_id] = result
             elif isinstance(result, DeadlineExceeded):
-                self._slow.setdefault(mate.peer_id, now)  # alive but slow, maybe: see `_held_by_slow`
-            elif isinstance(result, (TransportError, RpcError, TimeoutError, ValueError)):
-                self._slow.pop(mate.peer_id, None)  # refused or gone: what it held is lost
-                self._known.pop(mate.peer_id, None)
-            else:
+                slow.append(mate.peer_id)  # alive but slow, maybe: the core shields what it held
+            elif not isinstance(result, (TransportError, RpcError, TimeoutError, ValueError)):
                 raise result
-        for gone in set(self._known) - {m.peer_id for m in mates}:
-            self._known.pop(gone)
-            self._slow.pop(gone, None)
+        self.core.observe(_now(), views, slow, [m.peer_id for m in mates])
         return views
 
-    def mate_ahead(self) -> bool:
-        """Did a serving mate, at the last poll, show more committed steps than this peer? (Then
-        `tick` downloads its state; it is the cached answer, so asking costs no call.)"""
-        return any(m.state == "serving" and m.step > self.s.committed for m in self._known.values())
-
-    def mate_slow(self) -> bool:
-        """Did a mate's progress call time out (rather than be refused) at the last poll? It may be
-        alive and ahead of us; only its answer would say."""
-        return bool(self._slow)
-
     async def _progress(self, peer_id: bytes, addr: str) -> MateView:
-        reply = await self.s.pool.call(addr, "stage.sync.progress", Message(self.s.meta(), codec="none"),
-                                       timeout=self.s.limits.progress_timeout_s)
+        reply = await self.host.pool.call(addr, "stage.sync.progress", Message(self.host.meta(), codec="none"),
+                                          timeout=self.host.limits.progress_timeout_s)
         meta = reply.meta
-        step, state, ids = meta.get("step"), meta.get("state"), meta.get("ids")
-        if (meta.get("peer_id") != peer_id or type(step) is not int or not isinstance(state, str)
-                or not isinstance(ids, list) or not all(type(i) is int for i in ids)):
+        step, state, digest = meta.get("step"), meta.get("state"), meta.get("digest")
+        if (meta.get("peer_id") != peer_id or type(step) is not int or step < 0 or not isinstance(state, str)
+                or not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES):
             raise ValueError(f"bad progress reply from {addr}")
-        return MateView(peer_id, addr, step, state, frozenset(ids))
+        span = self.core.step_ids(step)
+        ids = decode_ranges(meta.get("held"), span)
+        claimed = decode_ranges(meta.get("claimed"), span)
+        rate = meta.get("rate", 0.0)
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
+            raise ValueError(f"bad rate in the progress reply from {addr}")
+        return MateView(peer_id, addr, step, state, digest, ids, claimed, float(rate))
 
     def progress_reply(self) -> Message:
-        committed = self.s.committed
-        progress = self.s.accumulator.progress(committed)
-        return Message({"peer_id": self.s.peer_id, "step": committed, "state": self.s.state,
-                        "ids": sorted(progress.ids), "samples": progress.samples, "in_round": self.in_round},
+        step = self.core.step
+        progress = self.host.accumulator.progress(step)
+        return Message({"peer_id": self.core.peer_id, "step": step, "state": str(self.core.phase),
+                        "digest": self.core.digest, "held": encode_ranges(progress.ids),
+                        "claimed": encode_ranges(self.core.claimed(step) - progress.ids),
+                        "samples": progress.samples, "in_round": self.in_round, "rate": self.rate},
                        codec="none")
-
-    def _coverage(self, step: int, union: set[int]) -> None:
-        if step != self._seen_step:
-            self._seen, self._seen_step = set(), step
-        self._seen |= union
-        self.missing = sorted(self._seen - union - self._held_by_slow(step))
-        self.uncovered = sorted(set(self.s.step_ids(step)) - union)
-
-    def _held_by_slow(self, step: int) -> set[int]:
-        """Ids last reported by mates that now time out rather than refuse, for `missing_grace_s`:
-        a loaded peer still holds its gradients, and re-sending them elsewhere would count them twice."""
-        now = asyncio.get_running_loop().time()
-        held: set[int] = set()
-        for peer_id, since in self._slow.items():
-            known = self._known.get(peer_id)
-            if known is not None and known.step == step and now - since < self.s.limits.missing_grace_s:
-                held |= known.ids
-        return held
 
     # ----------------------------------------------------------------------------- rounds
 
-    async def lead(self, step: int, members: list[tuple[bytes, str]]) -> None:
+    async def lead(self, lead: Lead) -> None:
         round_id = os.urandom(16)
-        meta = {**self.s.meta(), "step": step, "round": round_id,
-                "members": [p for p, _ in members], "addrs": [a for _, a in members]}
-        others = [(p, a) for p, a in members if p != self.s.peer_id]
-        calls = [self.s.pool.call(a, "stage.sync.round", Message(meta, codec="none"),
-                                  timeout=self.s.limits.progress_timeout_s) for _, a in others]
+        meta = {**self.host.meta(), "step": lead.step, "round": round_id, "digest": lead.digest,
+                "members": [p for p, _ in lead.members], "addrs": [a for _, a in lead.members]}
+        others = [(p, a) for p, a in lead.members if p != self.core.peer_id]
+        calls = [self.host.pool.call(a, "stage.sync.round", Message(meta, codec="none"),
+                                     timeout=self.host.limits.progress_timeout_s) for _, a in others]
         results = await asyncio.gather(*calls, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for r in failed:
-                if not isinstance(r, (TransportError, RpcError, TimeoutError)):
-                    raise r
+        for r in failed:
+            if not isinstance(r, (TransportError, RpcError, TimeoutError)):
+                raise r
+        silent = [p for (p, _), r in zip(others, results) if isinstance(r, (DeadlineExceeded, TimeoutError))]
+        if silent:  # a member that cannot answer an invitation in time is late, like late parts
+            self.core.round_failed(_now(), round_id, self.core.peer_id, silent)
+        reason = self.core.invited(_now(), self.core.peer_id, lead.step, lead.digest) if not failed else "refused"
+        if reason is not None:
             await self._abort(round_id, others)
             return
-        try:
-            self.start(round_id, step, members)
-        except RpcError:  # a competing leader's round got here first, or we stepped meanwhile
-            await self._abort(round_id, others)
-            raise
+        self.start(round_id, lead.step, list(lead.members))
 
     def start(self, round_id: bytes, step: int, members: list[tuple[bytes, str]]) -> None:
-        if self.in_round:
-            raise busy("this peer is already in an all-reduce round")
-        if step != self.s.committed:
-            raise busy(f"round for step {step}, this peer is at step {self.s.committed}")
         # Opened (or marked joined) now, so a closed round or a full mailbox refuses the join itself.
-        self.mailbox.box(round_id, step, [p for p, _ in members], self.s.peer_id, self.s.numel, join=True)
-        self.in_round = True
+        self.mailbox.box(round_id, step, [p for p, _ in members], self.core.peer_id, self.host.numel, join=True)
+        self.core.round_started(round_id)
         try:
-            self.s.spawn(self._round(round_id, step, members), f"round {round_id.hex()[:8]}")
+            self.host.spawn(self._round(round_id, step, members), f"round {round_id.hex()[:8]}")
         except BaseException:
-            self.in_round = False
+            self.core.round_failed(_now(), round_id, members[0][0])
             raise
 
     def join(self, req: Request) -> Message:
         """`stage.sync.round` from a leader."""
         meta = req.meta
-        round_id, step, members, addrs = meta.get("round"), meta.get("step"), meta.get("members"), meta.get("addrs")
-        if not (isinstance(round_id, bytes) and type(step) is int and isinstance(members, list)
-                and isinstance(addrs, list) and len(members) == len(addrs)
+        round_id, step, digest = meta.get("round"), meta.get("step"), meta.get("digest")
+        members, addrs = meta.get("members"), meta.get("addrs")
+        if not (isinstance(round_id, bytes) and type(step) is int and isinstance(digest, bytes)
+                and isinstance(members, list) and isinstance(addrs, list) and 0 < len(members) == len(addrs)
+                and len(members) <= self.host.limits.max_round_members
                 and all(isinstance(p, bytes) for p in members) and all(isinstance(a, str) for a in addrs)):
-            raise bad_input("stage.sync.round needs round, step, members and addrs")
-        if self.s.peer_id not in members:
-            raise bad_input("this peer is not a member of that round")
+            raise bad_input("stage.sync.round needs round, step, digest, members and addrs")
+        if self.core.peer_id not in members or members != sorted(members):
+            raise bad_input("this peer is not a member of that round, or the members are not sorted")
+        reason = self.core.invited(_now(), members[0], step, digest)
+        if reason is not None:
+            raise busy(reason)
         self.start(round_id, step, list(zip(members, addrs)))
         return Message({}, codec="none")
 
     async def _round(self, round_id: bytes, step: int, members: list[tuple[bytes, str]]) -> None:
         ids = [p for p, _ in members]
-        me = ids.index(self.s.peer_id)
-        taken = await self.s.in_aux(self.s.accumulator.take, step)
-        committed = False
+        me = ids.index(self.core.peer_id)
+        host = self.host
+        taken = await host.in_aux(host.accumulator.take, step)
+        box: RoundBox | None = None
+        outcome, late, sending = "failed", [], False
         try:
-            box = self.mailbox.box(round_id, step, ids, self.s.peer_id, self.s.numel, join=True)
-            flat = await self.s.in_aux(self.s.flatten, taken.grads)
+            box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True)
+            flat = await host.in_aux(host.flatten, taken.grads)
             mine = Contribution(frozenset(taken.ids), taken.samples)
-            async with asyncio.timeout(self.s.limits.round_timeout_s):
+            limits = host.limits
+            rates = [self.rate] + [self.core.rate_of(p) for p in ids if p != self.core.peer_id]
+            timeout = round_timeout(host.numel, len(ids), limits.allreduce_codec, rates, limits.round_timeout_floor_s,
+                                    limits.round_timeout_s, limits.round_time_margin)
+            async with asyncio.timeout(timeout):
                 lo, hi = box.bounds[me]
                 box.put_part(me, 0, flat[lo:hi], mine)
-                head = {"ids": sorted(mine.ids), "samples": mine.samples}
+                head = {"ids": encode_ranges(mine.ids), "samples": mine.samples}
+                sending = True
                 await _unless_failed(box, self._send(round_id, step, members, "stage.sync.reduce",
                                                      lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head))
+                sending = False
                 await box.wait(box.reduced_ready)
-                reduced, outliers = await self.s.in_aux(_reduce_shard, box, self.s.limits, self.s.numel)
-                union = frozenset().union(*(c.ids for c in box.contributions.values()))
-                if union != frozenset(self.s.step_ids(step)):
-                    raise RoundFailed(f"the round covers {len(union)} of {self.s.microbatches} microbatches")
+                contributions = [(c.ids, c.samples) for c in (box.contributions[i] for i in range(len(ids)))]
+                if host.limits.aggregate == CENTERED_CLIP:
+                    plan = every_member(contributions, self.core.step_ids(step))
+                else:
+                    plan = plan_round(contributions, self.core.step_ids(step))
+                if not plan.covered:
+                    if me in plan.left_out:
+                        outcome = "left out"
+                    raise RoundFailed(f"the kept sums cover {_covered(box, plan)} of {len(self.core.step_ids(step))} "
+                                      f"microbatches ({len(plan.left_out)} members' sums overlap)")
+                reduced, outliers = await host.in_aux(_reduce_shard, box, host.limits, plan.kept)
                 box.put_gather(me, 0, reduced, outliers)
+                sending = True
                 await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
                                                      lambda j: reduced, {"outliers": outliers}))
+                sending = False
                 await box.wait(box.gathered_ready)
-            summed_twice = sum(len(c.ids) for c in box.contributions.values()) - len(union)
-            samples = sum(c.samples for c in box.contributions.values())
             flagged = tuple(sorted(ids[i].hex() for i in box.outliers))
             if flagged:
-                log.warning("stage %d step %d: outlier gradients from %s", self.s.stage_index, step, flagged)
-            await self.s.commit(step, box.full, len(members), samples, summed_twice, flagged)
-            committed = True
+                log.warning("stage %d step %d: outlier gradients from %s", host.stage_index, step, flagged)
+            await host.commit(step, round_id, box.full, ids, plan, flagged)
+            outcome = "committed"
         except (RoundFailed, TransportError, RpcError, TimeoutError) as exc:
             self.last_failure = f"step {step}: {type(exc).__name__}: {exc}"
-            log.info("stage %d round %s failed: %s", self.s.stage_index, round_id.hex()[:8], exc)
-            await self._abort(round_id, [m for m in members if m[0] != self.s.peer_id])
+            timed_out = isinstance(exc, TimeoutError)
+            if timed_out and box is not None and not sending:
+                late = [ids[i] for i in box.late_members()]  # stragglers: left out of this peer's next rounds
+            log.info("stage %d round %s failed: %s", host.stage_index, round_id.hex()[:8], exc)
+            # Timed out while its own parts were still leaving: this peer is the straggler, and says so.
+            await self._abort(round_id, [m for m in members if m[0] != self.core.peer_id], timed_out and sending)
         finally:
             self.mailbox.drop(round_id)
-            try:
-                if not committed:
-                    await asyncio.shield(self.s.in_aux(self.s.accumulator.restore, step))
-            finally:
-                self.in_round = False
+            await asyncio.shield(self._settle(round_id, step, ids, late, outcome))
+
+    async def _settle(self, round_id: bytes, step: int, ids: list[bytes], late: list[bytes], outcome: str) -> None:
+        """Put back (or, left out of a conflicting round, clear) what the round took, and tell the core."""
+        host = self.host
+        try:
+            if outcome == "left out":
+                dropped = await host.in_aux(host.accumulator.discard_taken, step)
+                self.core.left_out(step, dropped)
+                log.info("stage %d step %d: this peer's sum overlapped a kept member's; %d microbatches "
+                         "cleared for re-sending", host.stage_index, step, len(dropped))
+            elif outcome != "committed":
+                await host.in_aux(host.accumulator.restore, step)
+        finally:
+            if outcome != "committed":
+                self.core.round_failed(_now(), round_id, ids[0], late)
 
     async def _send(self, round_id: bytes, step: int, members: list[tuple[bytes, str]], method: str,
                     payload, head: dict) -> None:
-        me = [p for p, _ in members].index(self.s.peer_id)
-        meta = {**self.s.meta(), "round": round_id, "step": step, "members": [p for p, _ in members], "src": me}
-        per = max(1, self.s.limits.allreduce_chunk_bytes // 4)
+        me = [p for p, _ in members].index(self.core.peer_id)
+        meta = {**self.host.meta(), "round": round_id, "step": step, "members": [p for p, _ in members], "src": me}
+        per = max(1, self.host.limits.allreduce_chunk_bytes // 4)
+
+        codec = self.host.limits.allreduce_codec
 
         async def to(j: int, addr: str) -> None:
             part = payload(j)
             for offset in range(0, max(part.numel(), 1), per):
                 extra = head if offset == 0 else {}
-                message = Message({**meta, **extra, "offset": offset}, [part[offset: offset + per]],
-                                  codec=self.s.limits.allreduce_codec)
-                await self.s.pool.call(addr, method, message, timeout=self.s.limits.round_timeout_s)
+                piece = part[offset: offset + per]
+                message = Message({**meta, **extra, "offset": offset}, [piece], codec=codec)
+                began = time.perf_counter()
+                await self.host.pool.call(addr, method, message, timeout=self.host.limits.round_timeout_s)
+                self._measure(piece.numel() * WIRE_BYTES.get(codec, 4), time.perf_counter() - began)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -273,12 +304,22 @@ class StageSync:
             first = failed.exceptions[0]
             raise RoundFailed(f"{method} to a member failed: {type(first).__name__}: {first}") from None
 
-    async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]]) -> None:
+    def _measure(self, sent: int, seconds: float) -> None:
+        """Fold one part's send into the rate estimate (tiny parts say nothing about a link)."""
+        if sent < MIN_MEASURED_BYTES:
+            return
+        rate = sent / max(seconds, 1e-6)
+        self.rate = rate if self.rate == 0.0 else (1 - RATE_EMA) * self.rate + RATE_EMA * rate
+
+    async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]], straggler: bool = False) -> None:
         # Closed here first: parts members already sent must not open a box for it (allreduce.Mailbox).
         self.mailbox.drop(round_id, "this peer aborted the round")
-        message = Message({**self.s.meta(), "round": round_id}, codec="none")
-        await asyncio.gather(*(self.s.pool.call(a, "stage.sync.abort", message,
-                                                timeout=self.s.limits.progress_timeout_s) for _, a in others),
+        meta = {**self.host.meta(), "round": round_id}
+        if straggler:
+            meta["straggler"] = self.core.peer_id
+        message = Message(meta, codec="none")
+        await asyncio.gather(*(self.host.pool.call(a, "stage.sync.abort", message,
+                                                   timeout=self.host.limits.progress_timeout_s) for _, a in others),
                              return_exceptions=True)
 
     # ------------------------------------------------------------------------ mate handlers
@@ -287,32 +328,52 @@ class StageSync:
         meta = req.meta
         round_id, step, members, src, offset = (meta.get(k) for k in ("round", "step", "members", "src", "offset"))
         if not (isinstance(round_id, bytes) and type(step) is int and isinstance(members, list)
+                and len(members) <= self.host.limits.max_round_members
                 and all(isinstance(p, bytes) for p in members) and type(src) is int
                 and 0 <= src < len(members) and type(offset) is int and len(req.tensors) == 1):
             raise bad_input("an all-reduce part needs round, step, members, src, offset and one tensor")
-        if step != self.s.committed:
-            raise busy(f"part for step {step}, this peer is at step {self.s.committed}")
-        box = self.mailbox.box(round_id, step, members, self.s.peer_id, self.s.numel)
+        if step != self.core.step:
+            raise busy(f"part for step {step}, this peer is at step {self.core.step}")
+        box = self.mailbox.box(round_id, step, members, self.core.peer_id, self.host.numel)
+        part = req.tensors[0]
         if gather:
             outliers = meta.get("outliers", []) if offset == 0 else []
             if not (isinstance(outliers, list) and all(type(i) is int for i in outliers)):
                 raise bad_input("outliers must be a list of member indices")
-            box.put_gather(src, offset, req.tensors[0], outliers)
+            box.put_gather(src, offset, part, outliers)
         else:
             contribution = None
             if offset == 0:
-                ids, samples = meta.get("ids"), meta.get("samples")
-                if not (isinstance(ids, list) and all(type(i) is int for i in ids) and type(samples) is int):
+                samples = meta.get("samples")
+                try:
+                    ids = decode_ranges(meta.get("ids"), self.core.step_ids(step))
+                except ValueError as exc:
+                    raise bad_input(f"the first part's ids: {exc}") from None
+                if type(samples) is not int or samples < 0:
                     raise bad_input("the first part carries the sender's ids and samples")
-                contribution = Contribution(frozenset(ids), samples)
-            box.put_part(src, offset, req.tensors[0], contribution)
+                contribution = Contribution(ids, samples)
+            box.put_part(src, offset, part, contribution)
         return Message({}, codec="none")
 
     def abort(self, req: Request) -> Message:
-        round_id = req.meta.get("round")
+        """`stage.sync.abort`: a member left the round. One that timed out while its own parts were
+        still leaving names itself (`straggler`): it is benched here like a late member (it can
+        only bench itself, and only in rounds it is a member of here)."""
+        round_id, straggler = req.meta.get("round"), req.meta.get("straggler")
         if isinstance(round_id, bytes):
+            box = self.mailbox.get(round_id)
+            if isinstance(straggler, bytes) and box is not None and straggler in box.members:
+                self.core.note_late(_now(), [straggler])
             self.mailbox.drop(round_id, "a member aborted the round")
         return Message({}, codec="none")
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _covered(box: RoundBox, plan: RoundPlan) -> int:
+    return sum(len(box.contributions[i].ids) for i in plan.kept)
 
 
 async def _unless_failed(box: RoundBox, sending: Coroutine) -> None:
@@ -328,20 +389,19 @@ async def _unless_failed(box: RoundBox, sending: Coroutine) -> None:
         raise failed.exceptions[0] from None
 
 
-def _reduce_shard(box, limits, numel: int) -> tuple[torch.Tensor, list[int]]:
-    """This member's shard of the step's gradient sum, and the members it found outliers.
-    `mean` sums in member order, the same on every peer: the reduced shard is then one
-    well-defined value. With a lossy codec the owner keeps the value its mates will decode, not
+def _reduce_shard(box: RoundBox, limits: StageLimits, kept: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+    """This member's shard of the step's gradient sum over the kept members, and the members it
+    found outliers. `mean` sums in member order, the same on every peer: the reduced shard is then
+    one well-defined value. With a lossy codec the owner keeps the value its mates will decode, not
     its exact sum, so every member steps on bit-identical gradients."""
     outliers: list[int] = []
     if limits.aggregate == CENTERED_CLIP:
-        members = range(len(box.members))
-        robust = centered_clip([box.parts[i] for i in members], [box.contributions[i].samples for i in members],
-                               numel, limits.clip_tau, limits.clip_iterations, limits.outlier_factor)
-        total, outliers = robust.total, sorted(robust.outliers)
+        robust = centered_clip([box.parts[i] for i in kept], [box.contributions[i].samples for i in kept],
+                               box.numel, limits.clip_tau, limits.clip_iterations, limits.outlier_factor)
+        total, outliers = robust.total, sorted(kept[i] for i in robust.outliers)
     else:
-        total = box.parts[0].clone()
-        for src in range(1, len(box.members)):
+        total = box.parts[kept[0]].clone()
+        for src in kept[1:]:
             total += box.parts[src]
     codec = limits.allreduce_codec
     if codec == "none":

@@ -6,6 +6,7 @@ trained on the same total gradient."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -94,8 +95,10 @@ async def test_peers_of_a_stage_step_together_and_equal_the_reference(kit, clien
 
 
 async def test_single_peer_stage_steps_alone_and_rejects_stale_work(kit, client):
+    """With replay_previous off, a call for the committed step is stale (on, it is replayed:
+    test_stage_review_regressions.py)."""
     spec = kit.make_spec(stages=3, optim="sgd")
-    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory())
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(), dataclasses.replace(kit.FAST, replay_previous=False))
     ref = Reference(spec)
     try:
         await asyncio.gather(*(send(kit, client, peer, 0, m) for m in range(4)))

@@ -101,7 +101,7 @@ async def test_backward_is_idempotent_per_microbatch(client, kit):
         assert taken.ids == {3} and taken.samples == B
         for p, g in zip(ref.parameters(), taken.grads):
             assert torch.equal(p.grad, g)
-        assert peer.service.accumulator.repeats(0) == 2
+        assert peer.service.core.repeats(0) == 2
     finally:
         await peer.close()
 

@@ -13,6 +13,7 @@ from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.model import build_stage
 from swarmd.optim import StageOptimizer
 from swarmd.stage import StageLimits
+from swarmd.stage.core import Admission
 from transport.errors import DeadlineExceeded, RemoteError
 from transport.rpc import Message, Router
 
@@ -30,18 +31,34 @@ async def backward(kit, client, peer, step, m, timeout=10.0):
     return await kit.call(client, peer, "stage.backward", STAGE, step, step * 4 + m, [x, gy], timeout=timeout)
 
 
+def _mate_ids(peer):
+    return {i for m in peer.service.core._mates.values() for i in m.ids}
+
+
+def assert_reference(spec, peer, mbs):
+    """The peer's parameters equal one step of a reference that applied each of `mbs` once."""
+    ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
+    opt = StageOptimizer(ref, spec.optim, spec.steps)
+    for m in mbs:
+        x, gy = inputs(0, m)
+        ref(x).backward(gy)
+    opt.step(spec.batch.global_samples)
+    for p, q in zip(peer.service.stage.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
 async def until(predicate, timeout=10.0):
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
 
 
-async def test_a_microbatch_on_two_peers_is_counted_not_subtracted(kit, client):
-    """Steps: microbatches 0,1,2 to peer A and 2,3 to peer B (mb 2 twice, as when a timed-out call
-    did complete), and mb 0 to A once more (a repeat A refuses). Expected: the step commits with 10
-    samples in A's record, summed_duplicates = 1 (mb 2, in both sums) and dropped_repeats = 1 (mb 0,
-    summed once), so samples - summed_duplicates x microbatch_samples = global_samples; and the
-    parameters equal a reference that applied mb 2's gradient twice and mb 0's once."""
+async def test_a_microbatch_a_mate_holds_is_answered_but_not_added(kit, client):
+    """Steps: microbatches 0,1,2 to peer A, then 2 (as a trainer's retry after a timeout whose
+    call did complete) and 3 to peer B, which has polled A; and mb 0 to A once more. Expected: B
+    answers mb 2 (`held_by_mate`, nothing added), A refuses the repeat of mb 0 (`duplicate`); the
+    step commits with exactly global_samples and no duplicate, and the parameters equal a
+    reference that applied every microbatch once (I1)."""
     spec = kit.make_spec(stages=3, optim="sgd")
     directory = StaticDirectory()
     a = await kit.start_peer(spec, STAGE, 1, directory)
@@ -50,22 +67,44 @@ async def test_a_microbatch_on_two_peers_is_counted_not_subtracted(kit, client):
         for m in (0, 1, 2):
             await backward(kit, client, a, 0, m)
         assert (await backward(kit, client, a, 0, 0)).meta["duplicate"] is True
-        for m in (2, 3):
-            await backward(kit, client, b, 0, m)
+        await until(lambda: 2 in _mate_ids(b))
+        retry = await backward(kit, client, b, 0, 2)
+        assert retry.meta["held_by_mate"] is True and retry.meta["added"] is False
+        await backward(kit, client, b, 0, 3)
         await until(lambda: all(p.service.records for p in (a, b)))
         record = a.service.records[-1]
-        print("step record with a duplicate:", record)
-        assert record.samples == 10 and record.members == 2
-        assert record.summed_duplicates == 1 and record.dropped_repeats == 1
-        assert record.samples - record.summed_duplicates * spec.batch.microbatch_samples == spec.batch.global_samples
-        ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
-        opt = StageOptimizer(ref, spec.optim, spec.steps)
-        for m in (0, 1, 2, 2, 3):
-            x, gy = inputs(0, m)
-            ref(x).backward(gy)
-        opt.step(spec.batch.global_samples)
-        for p, q in zip(a.service.stage.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+        assert record.samples == spec.batch.global_samples and record.members == 2
+        assert record.summed_duplicates == 0 and record.dropped_repeats == 1
+        assert_reference(spec, a, (0, 1, 2, 3))
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_overlapping_sums_are_never_both_summed(kit, client):
+    """Steps: B cannot see A (A is not announced to it) and takes mbs 2 and 3 while A holds 0,1,2
+    (mb 2 twice: the trainer's retry on a mate it could not know held it). A sees B and leads.
+    Expected: the round keeps A's sum, leaves B's out and, short of mb 3, fails; B clears its sum
+    and mb 3 shows as missing on A; re-sent to B, the step commits with every microbatch summed
+    once, the parameters equal the reference (I1), and both peers show the same digest (I2)."""
+    spec = kit.make_spec(stages=3, optim="sgd")
+    directory = StaticDirectory()
+    a = await kit.start_peer(spec, STAGE, 1, directory, announce=False)
+    b = await kit.start_peer(spec, STAGE, 2, directory)
+    try:
+        for m in (0, 1, 2):
+            await backward(kit, client, a, 0, m)
+        for m in (2, 3):
+            assert (await backward(kit, client, b, 0, m)).meta["added"] is True
+        await until(lambda: a.service.sync.missing == [3])
+        assert b.service.accumulator.progress(0).ids == frozenset()
+        assert (await backward(kit, client, b, 0, 3)).meta["added"] is True
+        await until(lambda: all(p.service.records for p in (a, b)))
+        record = a.service.records[-1]
+        assert record.samples == spec.batch.global_samples and record.summed_duplicates == 0
+        assert_reference(spec, a, (0, 1, 2, 3))
+        assert_reference(spec, b, (0, 1, 2, 3))
+        assert a.service.digest == b.service.digest
     finally:
         await a.close()
         await b.close()
@@ -167,7 +206,7 @@ async def test_a_non_finite_reduced_gradient_skips_the_update_but_commits(kit, c
     try:
         before = [p.detach().clone() for p in peer.service.stage.parameters()]
         poison = [torch.full_like(p, float("inf")) for p in peer.service.params]
-        assert peer.service.accumulator.claim(0, 0)
+        assert peer.service.core.admit(0.0, 0, 0) == Admission.ACCUMULATE
         peer.service.accumulator.add(0, [0], B, poison)
         await asyncio.gather(*(backward(kit, client, peer, 0, m) for m in (1, 2, 3)))
         await until(lambda: peer.service.records)
@@ -198,8 +237,8 @@ class SlowProgressRouter(Router):
 
 async def test_a_slow_mate_keeps_its_ids_out_of_missing_for_the_grace_period(kit, client):
     """Steps: A holds mbs 0,1 and B holds 2; A has seen B's progress; B's progress calls then time
-    out. Expected: within missing_grace_s, A reports 2 uncovered but not missing (a re-send would
-    be a duplicate if B is only slow); after it, 2 is missing."""
+    out. Expected: within missing_grace_s, A reports 2 neither missing nor uncovered (a re-send
+    would be a second copy if B is only slow); after it, 2 is missing."""
     spec = kit.make_spec(stages=3)
     limits = StageLimits(sync_interval_s=0.02, progress_timeout_s=0.2, missing_grace_s=1.5)
     directory = StaticDirectory()
@@ -216,9 +255,10 @@ async def test_a_slow_mate_keeps_its_ids_out_of_missing_for_the_grace_period(kit
         await until(lambda: a.service.sync.uncovered == [3])
         router.slow = True
         slow_since = asyncio.get_running_loop().time()
-        await until(lambda: 2 in a.service.sync.uncovered)
+        await until(lambda: a.service.core.mate_slow())
         meta = await info()
-        assert meta["missing"] == [] and asyncio.get_running_loop().time() - slow_since < 1.5
+        assert meta["missing"] == [] and meta["uncovered"] == [3]
+        assert asyncio.get_running_loop().time() - slow_since < 1.5
         await until(lambda: a.service.sync.missing == [2], timeout=5)
         assert asyncio.get_running_loop().time() - slow_since >= 1.5
         assert (await info())["missing"] == [2]

@@ -20,7 +20,7 @@ STAGE = 1
 
 def part_meta(kit, round_id, members, src=1, offset=0, step=0):
     return {**kit.meta(STAGE), "round": round_id, "step": step, "members": members, "src": src,
-            "offset": offset, "ids": [0], "samples": B}
+            "offset": offset, "ids": [[0, 1]], "samples": B}
 
 
 async def test_unknown_rounds_past_max_open_rounds_are_refused(kit, client):

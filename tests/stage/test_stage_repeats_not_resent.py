@@ -93,14 +93,14 @@ async def test_a_resend_answered_as_a_held_repeat_is_not_sent_again(kit, client,
     try:
         training = asyncio.create_task(trainer.run(0, 1))
         async with asyncio.timeout(60):
-            while peer.service.accumulator.repeats(0) < 2:
+            while peer.service.core.repeats(0) < 2:
                 assert not training.done()
                 await asyncio.sleep(0.01)
             seen = mate.infos
             while mate.infos < seen + POLLS_AFTER:
                 mate.polled.clear()
                 await mate.polled.wait()
-            assert peer.service.accumulator.repeats(0) == 2
+            assert peer.service.core.repeats(0) == 2
             for index in (1, 3):
                 mb = data.microbatch(0, index)
                 await client.call(peer.addr, "stage.forward_backward",

@@ -98,11 +98,12 @@ async def test_a_stage_with_a_mate_ahead_downloads_rather_than_skips(kit, client
         await ahead.close()
 
 
-async def test_a_peer_holding_gradients_of_its_step_never_skips(kit, client, tmp_path):
+async def test_a_survivor_holding_gradients_of_a_lost_step_takes_up_the_swarms_step(kit, client, tmp_path):
     """Steps: as above (stage 0 at step 4, stage 1 restored at 2), but stage 1 first receives one
-    microbatch of its own step 2; then a backward for step 4 arrives. Expected: it is not taken up
-    (not_ready; the peer is mid-step: skipping would drop work of a step still being made), and
-    the step-2 gradient is still held."""
+    microbatch of its own step 2 (as a survivor whose committing mates died holds); then a backward
+    for step 4 arrives. Expected (I3): it is taken up after resume_after_s like any lost step (no
+    live mate of the stage will ever complete step 2), the step-2 gradient is dropped, and the jump
+    is recorded."""
     spec = kit.make_spec(stages=3, every=2)
     witness_dir, wiped_dir = tmp_path / "witness", tmp_path / "wiped"
     plant_checkpoint(spec, witness_dir, kit, 0, 4)
@@ -112,11 +113,10 @@ async def test_a_peer_holding_gradients_of_its_step_never_skips(kit, client, tmp
     restored = await kit.start_peer(spec, STAGE, 2, directory, state_dir=wiped_dir)
     try:
         await kit.call(client, restored, "stage.backward", STAGE, 2, 8, list(inputs(2, 0)))
-        with pytest.raises(RemoteError) as refused:
-            await kit.call(client, restored, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)), timeout=3.0)
-        assert refused.value.code == "not_ready"
-        assert restored.service.committed == 2 and not restored.service.skipped
-        assert restored.service.accumulator.progress(2).ids == {8}
+        reply = await kit.call(client, restored, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)), timeout=5.0)
+        assert reply.meta["added"] is True
+        assert restored.service.committed == 4 and list(restored.service.skipped) == [(2, 4)]
+        assert restored.service.accumulator.progress(2).ids == frozenset()
     finally:
         await restored.close()
         await witness.close()

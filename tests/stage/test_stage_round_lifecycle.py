@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from swarmd.stage.core import initial_digest
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.stage import StageLimits
 from transport.errors import RemoteError
@@ -23,7 +24,7 @@ MATE = b"\xff" * 32  # a stage-mate played by the test; sorts after every test p
 
 def part_meta(kit, round_id, members, offset=0, step=0):
     return {**kit.meta(STAGE), "round": round_id, "step": step, "members": members, "src": members.index(MATE),
-            "offset": offset, "ids": [0], "samples": B}
+            "offset": offset, "ids": [[0, 1]], "samples": B}
 
 
 async def code_of(client, addr, method, meta, tensors=()) -> str:
@@ -132,9 +133,10 @@ class HungMate:
         self.router.unary("stage.sync.abort", self.ok)
 
     async def progress(self, req: Request) -> Message:
-        ids = list(range(self.spec.batch.microbatches_per_step))
-        return Message({"peer_id": MATE, "step": 0, "state": "serving", "ids": ids,
-                        "samples": B * len(ids), "in_round": False}, codec="none")
+        n = self.spec.batch.microbatches_per_step
+        return Message({"peer_id": MATE, "step": 0, "state": "serving", "held": [[0, n]], "claimed": [],
+                        "digest": initial_digest(self.spec.seed, STAGE), "samples": B * n, "in_round": False},
+                       codec="none")
 
     async def round(self, req: Request) -> Message:
         self.rounds.append(req.meta["round"])

@@ -1,0 +1,596 @@
+"""A deterministic swarm of one stage around the stage core, for checking I1-I3 on many schedules.
+
+Virtual time on an event heap, an in-memory network (latency, loss, one-way partitions that heal),
+split directory views, compute slower than the trainers' timeout, deaths and rejoins, and trainers
+that time out, retry on another peer and re-send what the stage reports missing or uncovered.
+Every peer runs the real `StageCore` and the real `plan_round`; only the tensors are replaced by
+the ids they hold, and a peer's state by its history: the (step, round, ids summed) of every
+commit that made it. Equal histories are equal parameters.
+
+Checked while it runs: every commit sums each microbatch of its step exactly once (I1); every
+member that commits a round had the same history before it, and equal digests always mean equal
+histories (I2). Checked at the end: once the faults stop, the trainers finish every step and all
+live peers hold one history within `settle_s` (I3). A broken rule raises `Violation` naming the
+seed, so a failing schedule replays exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from swarmd.stage.core import (Admission, CoreConfig, Download, Lead, MateView, Phase, StageCore, initial_digest,
+                               plan_round)
+
+
+class Violation(AssertionError):
+    """An invariant broke in a simulated schedule."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One drawn world: sizes, speeds and the faults (all of them end by `fault_end`)."""
+
+    seed: int
+    peers: int
+    microbatches: int
+    steps: int
+    trainers: int
+    compute_s: tuple[float, ...]  # per peer, per microbatch
+    latency_s: float
+    loss: float
+    trainer_timeout_s: float
+    late: tuple[tuple[float, float, int, float], ...]  # (from, to, peer, factor): compute that slow
+    cuts: tuple[tuple[float, float, int, int], ...]  # (from, to, src, dst): src's messages to dst dropped
+    hidden: tuple[tuple[float, float, int, int], ...]  # (from, to, viewer, peer): not in viewer's directory
+    deaths: tuple[tuple[float, int, float], ...]  # (at, peer, back at)
+    errors: float  # chance that a compute fails (out of memory, say) while faults last
+    hedge: int  # peers each microbatch goes to at once (2: a trainer that hedges every call)
+    fault_end: float
+    slow_links: tuple[tuple[float, float, int, float], ...] = ()  # (from, to, peer, delay): its sends that late
+    sync_s: float = 0.2
+    poll_timeout_s: float = 0.5
+    round_timeout_s: float = 1.5
+    download_s: float = 0.3
+
+
+def random_schedule(seed: int) -> Schedule:
+    rng = random.Random(seed)
+    peers, fault_end = rng.randint(1, 5), rng.uniform(4.0, 12.0)
+    timeout = rng.uniform(0.3, 0.8)
+
+    def window() -> tuple[float, float]:
+        start = rng.uniform(0.0, fault_end)
+        return start, min(fault_end, start + rng.uniform(0.2, 4.0))
+
+    late = tuple((*window(), rng.randrange(peers), rng.uniform(3.0, 15.0)) for _ in range(rng.randint(0, 2)))
+    slow_links = tuple((*window(), rng.randrange(peers), rng.uniform(0.5, 3.0)) for _ in range(rng.randint(0, 1)))
+    pairs = peers > 1
+    cuts = tuple((*window(), *rng.sample(range(peers), 2)) for _ in range(rng.randint(0, 3) * pairs))
+    hidden = []
+    for _ in range(rng.randint(0, 3) * pairs):  # split views: one-sided, or both sides at once
+        (a, b), (x, y) = window(), rng.sample(range(peers), 2)
+        hidden += [(a, b, x, y), (a, b, y, x)] if rng.random() < 0.5 else [(a, b, x, y)]
+    deaths = []
+    for _ in range(rng.randint(0, 2)):
+        at = rng.uniform(0.0, fault_end)
+        deaths.append((at, rng.randrange(peers), min(fault_end, at + rng.uniform(0.1, 4.0))))
+    return Schedule(seed, peers, rng.randint(2, 6), rng.randint(3, 6), rng.randint(1, 2),
+                    tuple(rng.uniform(0.01, 0.06) for _ in range(peers)), rng.uniform(0.001, 0.02),
+                    rng.choice((0.0, 0.0, 0.01, 0.05)), timeout, late, cuts, tuple(hidden), tuple(deaths),
+                    rng.choice((0.0, 0.0, 0.1)), rng.choice((1, 1, 2)), fault_end, slow_links)
+
+
+@dataclass
+class _Round:
+    round_id: bytes
+    step: int
+    members: list[int]  # peer indices, in member (peer id) order
+    leader: int
+    contributions: dict[int, tuple[frozenset[int], int]] = field(default_factory=dict)
+    gathers: set[int] = field(default_factory=set)
+    plan: object = None
+
+
+@dataclass
+class _Peer:
+    index: int
+    core: StageCore
+    life: int = 0  # bumped by every death: events of an earlier life are ignored
+    alive: bool = True
+    sums: dict[int, set[int]] = field(default_factory=dict)
+    taken: dict[int, frozenset[int]] = field(default_factory=dict)
+    history: tuple = ()
+    round: _Round | None = None
+    early: dict[bytes, list] = field(default_factory=dict)  # parts of rounds not joined yet
+    closed: set[bytes] = field(default_factory=set)
+    free_at: float = 0.0
+    inviting: bool = False  # the shell awaits its invitations before it polls again
+
+
+@dataclass
+class _Trainer:
+    shard: int
+    step: int = 0
+    todo: set[int] = field(default_factory=set)
+    inflight: dict[int, int] = field(default_factory=dict)  # mb -> attempt
+    done: set[int] = field(default_factory=set)
+    uncovered_since: dict[int, float] = field(default_factory=dict)
+
+
+class StageSimulation:
+    def __init__(self, schedule: Schedule, settle_s: float = 60.0) -> None:
+        self.s = schedule
+        self.rng = random.Random(schedule.seed ^ 0x5EED)
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._attempts = itertools.count()
+        self.settle_s = settle_s
+        self.peers = [_Peer(i, self._core(i)) for i in range(schedule.peers)]
+        self.trainers = [_Trainer(k) for k in range(schedule.trainers)]
+        self.commits = 0
+        self.counts: dict[str, int] = {}  # what happened, by kind (the scenario tests read it)
+        self._pre: dict[bytes, tuple] = {}  # round id -> the history its committers had
+        self._digests: dict[bytes, tuple] = {}  # digest -> the history it names
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _core(self, i: int) -> StageCore:
+        core = StageCore(bytes([i + 1]) * 8, f"p{i}", CoreConfig(self.s.microbatches, missing_grace_s=1.0,
+                                                                 resume_after_s=1.0, defer_s=0.3, bench_s=0.3,
+                                                                 bench_max_s=4.0))
+        core.replaced(0, initial_digest(0, 1))
+        core.phase = Phase.SERVING
+        return core
+
+    def at(self, delay: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._heap, (self.now + delay, next(self._seq), fn, args))
+
+    def _for(self, peer: _Peer, fn: Callable) -> Callable:
+        """`fn` if the peer is still in the same life when the event fires."""
+        life = peer.life
+        return lambda *a: fn(*a) if peer.alive and peer.life == life else None
+
+    def _faulty(self) -> bool:
+        return self.now < self.s.fault_end
+
+    def _cut(self, src: int, dst: int) -> bool:
+        return bool(self.s.cuts) and self._faulty() and any(
+            a <= self.now < b and s == src and d == dst for a, b, s, d in self.s.cuts)
+
+    def send(self, src: int | None, dst: int, fn: Callable, *args, extra: float = 0.0) -> None:
+        """A message from peer `src` (None: a trainer) to peer `dst`: lost, cut or delivered."""
+        if src is not None and self._cut(src, dst):
+            return
+        if self._faulty() and self.rng.random() < self.s.loss:
+            return
+        if src is not None:
+            extra += self._uplink(src)
+        target = self.peers[dst]
+        self.at(self.s.latency_s * (1 + self.rng.random()) + extra, self._for(target, fn), *args)
+
+    def _uplink(self, src: int) -> float:
+        """Extra delay of what peer `src` sends now (a slow uplink)."""
+        if not self.s.slow_links or not self._faulty():
+            return 0.0
+        return max((d for a, b, p, d in self.s.slow_links if p == src and a <= self.now < b), default=0.0)
+
+    def visible(self, viewer: int) -> list[int]:
+        """The peers `viewer`'s directory lists (alive ones, less any hidden from it now)."""
+        return [p.index for p in self.peers if p.alive and p.index != viewer and not (
+            self._faulty() and any(a <= self.now < b and (v, h) == (viewer, p.index) for a, b, v, h in self.s.hidden))]
+
+    # ------------------------------------------------------------------ running
+
+    def run(self) -> None:
+        for t in self.trainers:
+            self._start_step(t, 0)
+            self.at(0.05, self._trainer_poll, t)
+        for p in self.peers:
+            self.at(self.s.sync_s * self.rng.random(), self._for(p, self._tick), p)
+        for at, i, back in self.s.deaths:
+            self.at(at, self._die, i, back)
+        end = self.s.fault_end + self.settle_s
+        while self._heap:
+            t, _, fn, args = heapq.heappop(self._heap)
+            if t > end:
+                break
+            self.now = t
+            fn(*args)
+            if self.now > self.s.fault_end and self._finished():
+                return
+        raise Violation(f"seed {self.s.seed}: not finished {self.settle_s}s after the faults ended (I3): "
+                        f"trainers at {[t.step for t in self.trainers]}, peers at "
+                        f"{[(p.core.step, p.core.phase.value, p.alive) for p in self.peers]}")
+
+    def _finished(self) -> bool:
+        live = [p for p in self.peers if p.alive]
+        return (all(t.step >= self.s.steps for t in self.trainers)
+                and all(p.core.step >= self.s.steps and p.core.phase == Phase.SERVING for p in live)
+                and len({p.history for p in live}) == 1)
+
+    def _die(self, i: int, back: float) -> None:
+        peer = self.peers[i]
+        if not peer.alive or sum(p.alive for p in self.peers) <= 1:
+            return  # I3's premise: every stage keeps one responsive peer
+        peer.alive = False
+        peer.life += 1
+        self.at(back - self.now, self._rejoin, peer)
+
+    def _rejoin(self, peer: _Peer) -> None:
+        """A restarted peer: its checkpoint is its old history (digest of the bytes, not the chain)."""
+        peer.alive, peer.core = True, self._core(peer.index)
+        peer.sums, peer.taken, peer.round, peer.early, peer.closed = {}, {}, None, {}, set()
+        peer.inviting, peer.free_at = False, self.now
+        peer.core.replaced(len(peer.history), _checkpoint_digest(peer.history))
+        self._note_digest(peer)
+        self.at(self.s.sync_s, self._for(peer, self._tick), peer)
+
+    # ------------------------------------------------------------------ trainers
+
+    def _mine(self, t: _Trainer, step: int) -> set[int]:
+        ids = self.peers[0].core.step_ids(step)
+        return {mb for mb in ids if mb % len(self.trainers) == t.shard}
+
+    def _start_step(self, t: _Trainer, step: int) -> None:
+        t.step, t.todo, t.inflight, t.done, t.uncovered_since = step, set(), {}, set(), {}
+        if step < self.s.steps:
+            t.todo = self._mine(t, step)
+            self._dispatch(t)
+
+    def _dispatch(self, t: _Trainer) -> None:
+        for mb in sorted(t.todo):
+            t.todo.discard(mb)
+            attempt = next(self._attempts)
+            t.inflight[mb] = attempt
+            targets = self.rng.sample(range(len(self.peers)), min(self.s.hedge, len(self.peers)))
+            for target in targets:
+                if not self.peers[target].alive:
+                    self.at(self.s.latency_s, self._reply, t, t.step, mb, attempt, "refused")
+                else:
+                    self.send(None, target, self._call, target, t, t.step, mb, attempt)
+            self.at(self.s.trainer_timeout_s, self._timed_out, t, t.step, mb, attempt)
+
+    def _timed_out(self, t: _Trainer, step: int, mb: int, attempt: int) -> None:
+        if t.step == step and t.inflight.get(mb) == attempt:
+            del t.inflight[mb]
+            t.todo.add(mb)
+            self._dispatch(t)
+
+    def _reply(self, t: _Trainer, step: int, mb: int, attempt: int, answer: str) -> None:
+        if t.step != step or t.inflight.get(mb) != attempt:
+            return  # a late reply: its caller moved on (its gradient may be held: the stage copes)
+        del t.inflight[mb]
+        if answer == "stale":
+            self._start_step(t, step + 1)  # the stage committed the step
+        elif answer in ("added", "held"):
+            t.done.add(mb)
+        else:  # refused, busy, not_ready: try again shortly
+            t.todo.add(mb)
+            self.at(0.05, self._redispatch, t, step)
+
+    def _redispatch(self, t: _Trainer, step: int) -> None:
+        if t.step == step:
+            self._dispatch(t)
+
+    def _trainer_poll(self, t: _Trainer) -> None:
+        if t.step < self.s.steps:
+            target = self.rng.randrange(len(self.peers))
+            if self.peers[target].alive:
+                self.send(None, target, self._info, target, t, t.step)
+        self.at(0.2, self._trainer_poll, t)
+
+    def _info(self, i: int, t: _Trainer, step: int) -> None:
+        core = self.peers[i].core
+        answer = (core.step, list(core.missing), list(core.uncovered))
+        self.at(self.s.latency_s, self._heard, t, step, *answer)
+
+    def _heard(self, t: _Trainer, step: int, stage_step: int, missing: list[int], uncovered: list[int]) -> None:
+        if t.step != step:
+            return
+        if stage_step > step:
+            self._start_step(t, stage_step)
+            return
+        if stage_step < step:
+            return
+        mine = self._mine(t, step)
+        lost = set(missing) & mine
+        for mb in set(uncovered) & mine:
+            since = t.uncovered_since.setdefault(mb, self.now)
+            if self.now - since >= 1.0:
+                lost.add(mb)
+        for mb in list(t.uncovered_since):
+            if mb not in uncovered:
+                del t.uncovered_since[mb]
+        for mb in lost - set(t.inflight):
+            t.done.discard(mb)
+            t.todo.add(mb)
+            t.uncovered_since.pop(mb, None)
+        self._dispatch(t)
+
+    # ------------------------------------------------------------------ compute calls
+
+    def _call(self, i: int, t: _Trainer, step: int, mb: int, attempt: int) -> None:
+        peer = self.peers[i]
+        core = peer.core
+
+        def answer(what: str) -> None:
+            self.at(self.s.latency_s + self._uplink(i), self._reply, t, step, mb, attempt, what)
+
+        if core.phase != Phase.SERVING:
+            return answer("busy")
+        if step < core.step:
+            return answer("stale")
+        if not core.accepts(step):
+            return answer("not_ready")
+        if peer.free_at - self.now > 4 * self.s.compute_s[i] + self.s.trainer_timeout_s:
+            return answer("busy")  # the executor's bounded queue (queue_size)
+        admission = core.admit(self.now, step, mb)
+        self._count(f"admit: {admission.value}")
+        epoch = core.epoch
+        start = max(self.now, peer.free_at)
+        peer.free_at = start + self._compute_s(i)
+        self.at(peer.free_at - self.now, self._for(peer, self._computed), peer, step, mb, admission, epoch, answer)
+
+    def _compute_s(self, i: int) -> float:
+        slow = [f for a, b, p, f in self.s.late if p == i and a <= self.now < b]
+        return self.s.compute_s[i] * (max(slow) * self.s.trainer_timeout_s / self.s.compute_s[i] if slow else 1.0)
+
+    def _computed(self, peer: _Peer, step: int, mb: int, admission: Admission, epoch: int, answer) -> None:
+        core = peer.core
+        if step < core.step:
+            core.settled(step, mb, epoch, False)
+            return answer("stale")
+        if self._faulty() and self.rng.random() < self.s.errors:
+            core.settled(step, mb, epoch, False)  # its caller may be long gone: the claim goes anyway
+            self._count("compute failed")
+            return answer("error")
+        added = admission == Admission.ACCUMULATE and epoch == core.epoch
+        if added:
+            peer.sums.setdefault(step, set()).add(mb)
+        core.settled(step, mb, epoch, added)
+        answer("added" if added else "held")
+
+    # ------------------------------------------------------------------ mates
+
+    def _held(self, peer: _Peer, step: int) -> frozenset[int]:
+        return frozenset(peer.sums.get(step, set()) | peer.taken.get(step, frozenset()))
+
+    def _view(self, peer: _Peer) -> MateView:
+        core = peer.core
+        held = self._held(peer, core.step)
+        return MateView(core.peer_id, core.address, core.step, core.phase.value, core.digest, held,
+                        core.claimed(core.step) - held)
+
+    def _tick(self, peer: _Peer) -> None:
+        """One poll of the mates (answers read at once, as of one latency later) and the decision."""
+        mates = self.visible(peer.index)
+        views, slow = [], []
+        for j in mates:
+            if self._cut(peer.index, j) or self._cut(j, peer.index) or self._uplink(j) > self.s.poll_timeout_s or (
+                    self._faulty() and self.rng.random() < 2 * self.s.loss):
+                slow.append(self.peers[j].core.peer_id)
+            else:
+                views.append(self._view(self.peers[j]))
+        self.at(self.s.sync_s, self._for(peer, self._tick), peer)
+        core = peer.core
+        core.observe(self.now, views, slow, [self.peers[j].core.peer_id for j in mates])
+        if peer.inviting:
+            return
+        action = core.decide(self.now, self._held(peer, core.step))
+        if isinstance(action, Download):
+            self._count("download: " + ("agreement" if "agree" in action.reason else "behind"))
+            self._download(peer, [self._index(pid) for pid, _ in action.sources])
+        elif isinstance(action, Lead):
+            self._lead(peer, action)
+
+    def _count(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def _index(self, peer_id: bytes) -> int:
+        return peer_id[0] - 1
+
+    def _download(self, peer: _Peer, sources: list[int]) -> None:
+        peer.core.phase = Phase.JOINING
+        if not sources:
+            peer.core.phase = Phase.SERVING
+            return
+        src = self.peers[sources[0]]
+        ok = src.alive and src.core.phase == Phase.SERVING and not self._cut(src.index, peer.index) \
+            and not self._cut(peer.index, src.index)
+        if not ok:
+            self.at(self.s.poll_timeout_s, self._for(peer, self._download), peer, sources[1:])
+            return
+        state = (src.history, src.core.step, src.core.digest)
+        self.at(self.s.download_s, self._for(peer, self._downloaded), peer, state)
+
+    def _downloaded(self, peer: _Peer, state: tuple) -> None:
+        history, step, digest = state
+        peer.history, peer.sums, peer.taken = history, {}, {}
+        peer.core.replaced(step, digest)
+        peer.core.phase = Phase.SERVING
+        self._note_digest(peer)
+
+    def _note_digest(self, peer: _Peer) -> None:
+        known = self._digests.setdefault(peer.core.digest, peer.history)
+        if known != peer.history:
+            raise Violation(f"seed {self.s.seed}: one digest names two histories (I2)")
+
+    # ------------------------------------------------------------------ rounds
+
+    def _lead(self, peer: _Peer, lead: Lead) -> None:
+        round_id = self.rng.getrandbits(128).to_bytes(16, "big")
+        members = [self._index(pid) for pid, _ in lead.members]
+        invite = {"answers": {}, "lead": lead, "members": members, "done": False}
+        peer.inviting = True
+        for j in members:
+            if j != peer.index:
+                self.send(peer.index, j, self._invited, j, peer.index, round_id, lead.step, lead.digest, members,
+                          invite)
+        self.at(self.s.poll_timeout_s, self._for(peer, self._invites_due), peer, round_id, invite)
+
+    def _invited(self, j: int, leader: int, round_id: bytes, step: int, digest: bytes, members: list[int],
+                 invite: dict) -> None:
+        peer = self.peers[j]
+        reason = "closed" if round_id in peer.closed else peer.core.invited(
+            self.now, self.peers[leader].core.peer_id, step, digest)
+        if reason is None:
+            self._start_round(peer, round_id, step, members, leader)
+        self.send(j, leader, self._invite_answer, leader, round_id, j, reason is None, invite)
+
+    def _invite_answer(self, leader: int, round_id: bytes, j: int, accepted: bool, invite: dict) -> None:
+        invite["answers"][j] = accepted
+        if len(invite["answers"]) == len(invite["members"]) - 1:
+            self._invites_due(self.peers[leader], round_id, invite)
+
+    def _invites_due(self, peer: _Peer, round_id: bytes, invite: dict) -> None:
+        if invite["done"]:
+            return
+        invite["done"], peer.inviting = True, False
+        lead, members = invite["lead"], invite["members"]
+        others = [j for j in members if j != peer.index]
+        joined = all(invite["answers"].get(j) for j in others)
+        silent = [self.peers[j].core.peer_id for j in others if j not in invite["answers"]]
+        if silent:  # their answers did not come in time: late, like parts that do not
+            peer.core.round_failed(self.now, round_id, peer.core.peer_id, silent)
+        if joined and peer.core.invited(self.now, peer.core.peer_id, lead.step, lead.digest) is None \
+                and round_id not in peer.closed:
+            self._start_round(peer, round_id, lead.step, members, peer.index)
+        else:
+            peer.closed.add(round_id)
+            for j in others:
+                self.send(peer.index, j, self._aborted, j, round_id)
+
+    def _start_round(self, peer: _Peer, round_id: bytes, step: int, members: list[int], leader: int) -> None:
+        peer.core.round_started(round_id)
+        take = frozenset(peer.sums.pop(step, set()))
+        peer.taken[step] = take
+        peer.round = _Round(round_id, step, members, leader)
+        peer.round.contributions[peer.index] = (take, len(take))
+        for j in members:
+            if j != peer.index:
+                self.send(peer.index, j, self._part, j, round_id, "reduce", peer.index, (take, len(take)))
+        self.at(self.s.round_timeout_s, self._for(peer, self._round_due), peer, round_id)
+        for kind, src, payload in peer.early.pop(round_id, (0.0, []))[1]:
+            self._apply_part(peer, kind, src, payload)
+            if peer.round is None:
+                break
+        if peer.round is not None:
+            self._progress_round(peer)
+
+    def _part(self, j: int, round_id: bytes, kind: str, src: int, payload) -> None:
+        peer = self.peers[j]
+        if round_id in peer.closed:
+            return
+        if peer.round is None or peer.round.round_id != round_id:
+            self._buffer(peer, round_id, (kind, src, payload))
+            return
+        self._apply_part(peer, kind, src, payload)
+        if peer.round is not None:
+            self._progress_round(peer)
+
+    def _buffer(self, peer: _Peer, round_id: bytes, part: tuple) -> None:
+        """A part of a round this peer has not joined (yet): kept like allreduce.Mailbox keeps it,
+        in at most two boxes, a box nobody joined within two poll timeouts making room."""
+        if round_id not in peer.early:
+            for old in [r for r, (t, _) in peer.early.items() if self.now - t > 2 * self.s.poll_timeout_s]:
+                del peer.early[old]
+            if len(peer.early) >= 2:
+                return
+            peer.early[round_id] = (self.now, [])
+        peer.early[round_id][1].append(part)
+
+    def _apply_part(self, peer: _Peer, kind: str, src: int, payload) -> None:
+        if kind == "reduce":
+            peer.round.contributions[src] = payload
+        else:
+            peer.round.gathers.add(src)
+
+    def _progress_round(self, peer: _Peer) -> None:
+        r = peer.round
+        if r.plan is None and len(r.contributions) == len(r.members):
+            r.plan = plan_round([r.contributions[m] for m in r.members], peer.core.step_ids(r.step))
+            if not r.plan.covered:
+                self._fail(peer, left_out=r.members.index(peer.index) in r.plan.left_out)
+                return
+            r.gathers.add(peer.index)
+            for j in r.members:
+                if j != peer.index:
+                    self.send(peer.index, j, self._part, j, r.round_id, "gather", peer.index, None)
+        if r.plan is not None and len(r.gathers) == len(r.members):
+            self._commit(peer)
+
+    def _round_due(self, peer: _Peer, round_id: bytes) -> None:
+        r = peer.round
+        if r is None or r.round_id != round_id:
+            return
+        waiting = r.contributions if r.plan is None else r.gathers
+        self._fail(peer, late=[j for j in r.members if j not in waiting])
+
+    def _aborted(self, j: int, round_id: bytes) -> None:
+        peer = self.peers[j]
+        peer.closed.add(round_id)
+        peer.early.pop(round_id, None)
+        if peer.round is not None and peer.round.round_id == round_id:
+            self._fail(peer, broadcast=False)
+
+    def _fail(self, peer: _Peer, left_out: bool = False, late: list[int] = (), broadcast: bool = True) -> None:
+        r, peer.round = peer.round, None
+        peer.closed.add(r.round_id)
+        taken = peer.taken.pop(r.step, frozenset())
+        self._count("round failed: " + ("left out" if left_out else "late" if late else "aborted"))
+        if left_out:
+            peer.core.left_out(r.step, taken)
+        else:
+            peer.sums.setdefault(r.step, set()).update(taken)
+        pid = [self.peers[j].core.peer_id for j in late]
+        peer.core.round_failed(self.now, r.round_id, self.peers[r.leader].core.peer_id, pid)
+        if broadcast:
+            for j in r.members:
+                if j != peer.index:
+                    self.send(peer.index, j, self._aborted, j, r.round_id)
+
+    def _commit(self, peer: _Peer) -> None:
+        r, peer.round = peer.round, None
+        peer.closed.add(r.round_id)
+        kept = [r.contributions[r.members[k]][0] for k in r.plan.kept]
+        union = frozenset().union(*kept)
+        if sum(len(ids) for ids in kept) != len(union) or union != peer.core.step_ids(r.step):
+            raise Violation(f"seed {self.s.seed}: step {r.step} summed {sorted(i for ids in kept for i in ids)} (I1)")
+        pre = self._pre.setdefault(r.round_id, peer.history)
+        if pre != peer.history:
+            raise Violation(f"seed {self.s.seed}: members of round {r.round_id.hex()[:8]} started from "
+                            f"different states (I2)")
+        peer.history = peer.history + ((r.step, r.round_id, union),)
+        if r.plan.left_out:
+            self._count("commit with sums left out")
+        if self._faulty():
+            self._count(f"commit by {len(r.members)} of {len(self.peers)} while faults last")
+        peer.taken.pop(r.step, None)
+        for s in [s for s in peer.sums if s <= r.step]:
+            del peer.sums[s]
+        peer.core.committed(self.now, r.step, r.round_id, self.peers[r.leader].core.peer_id,
+                            [self.peers[j].core.peer_id for j in r.members])
+        self._note_digest(peer)
+        self.commits += 1
+
+
+def _checkpoint_digest(history: tuple) -> bytes:
+    """What a restored checkpoint's content digest stands for here: a function of the state alone."""
+    import hashlib
+
+    return hashlib.blake2b(repr(history).encode(), digest_size=16).digest()
+
+
+def check_schedules(seeds: range, settle_s: float = 60.0) -> int:
+    """Run every seed's schedule; returns the commits made (raises Violation on the first break)."""
+    commits = 0
+    for seed in seeds:
+        sim = StageSimulation(random_schedule(seed), settle_s)
+        sim.run()
+        commits += sim.commits
+    return commits

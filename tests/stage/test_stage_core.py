@@ -1,0 +1,178 @@
+"""The stage core's rules on their own: no sockets, no clock, no tensors (swarmd/stage/core.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmd.stage.core import (Admission, CoreConfig, Download, Lead, MateView, Phase, StageCore, agreed_digest,
+                               initial_digest, next_digest, plan_round)
+from swarmd.stage.idsets import decode_ranges, encode_ranges
+
+D0 = initial_digest(5, 1)
+
+
+def core(index: int, microbatches: int = 4) -> StageCore:
+    c = StageCore(bytes([index]) * 4, f"p{index}", CoreConfig(microbatches, missing_grace_s=2.0, defer_s=1.0,
+                                                               bench_s=1.0, bench_max_s=8.0))
+    c.replaced(0, D0)
+    c.phase = Phase.SERVING
+    return c
+
+
+def mate(index: int, ids=(), step: int = 0, digest: bytes = D0, claimed=()) -> MateView:
+    return MateView(bytes([index]) * 4, f"p{index}", step, "serving", digest, frozenset(ids), frozenset(claimed))
+
+
+def contributions(*sets):
+    return [(frozenset(s), 2 * len(s)) for s in sets]
+
+
+def test_plan_sums_each_microbatch_once_and_leaves_the_overlap_out():
+    step = frozenset(range(4))
+    plan = plan_round(contributions({0, 1, 2}, {2, 3}), step)
+    assert plan.kept == (0,) and plan.left_out == (1,) and not plan.covered and plan.conflict
+    plan = plan_round(contributions({0, 1}, {1}, {2, 3}, set()), step)
+    assert plan.kept == (0, 2, 3) and plan.left_out == (1,) and plan.covered and plan.samples == 8
+    plan = plan_round(contributions({0, 1, 2, 3}, {0, 1, 2, 3}), step)
+    assert plan.kept == (0,) and plan.covered  # two full copies: one is summed
+
+
+def test_a_repeat_and_a_mate_held_microbatch_are_not_added_and_a_failed_compute_frees_its_claim():
+    c = core(1)
+    assert c.admit(0.0, 0, 0) == Admission.ACCUMULATE
+    assert c.admit(0.0, 0, 0) == Admission.REPEAT and c.repeats(0) == 1
+    c.settled(0, 0, c.epoch, added=False)  # the compute failed (its caller may be gone): no leak
+    assert c.admit(0.0, 0, 0) == Admission.ACCUMULATE
+    c.observe(0.0, [mate(2, ids={1})], [], [bytes([2]) * 4])
+    assert c.admit(0.0, 0, 1) == Admission.HELD_BY_MATE
+    c.observe(0.1, [mate(2, ids={1}, digest=b"x" * 16)], [], [bytes([2]) * 4])
+    assert c.admit(0.0, 0, 1) == Admission.ACCUMULATE  # another lineage's copy does not count
+
+
+def test_a_settle_from_before_a_state_replacement_frees_nothing():
+    c = core(1)
+    assert c.admit(0.0, 0, 2) == Admission.ACCUMULATE
+    old = c.epoch
+    c.replaced(0, D0)
+    assert c.admit(0.0, 0, 2) == Admission.ACCUMULATE
+    c.settled(0, 2, old, added=False)
+    assert c.admit(0.0, 0, 2) == Admission.REPEAT
+
+
+def test_the_smallest_peer_of_the_lineage_leads_once_the_step_is_covered():
+    a, b = core(1), core(2)
+    for c, other in ((a, mate(2, ids={2, 3})), (b, mate(1, ids={0, 1}))):
+        c.observe(0.0, [other], [], [other.peer_id])
+    assert isinstance(lead := a.decide(0.0, frozenset({0, 1})), Lead)
+    assert [p for p, _ in lead.members] == [a.peer_id, b.peer_id]
+    assert b.decide(0.0, frozenset({2, 3})) is None
+    assert a.decide(0.0, frozenset({0})) is None and a.uncovered == [1]
+
+
+def test_a_slow_mate_shields_its_ids_for_the_grace_then_they_are_missing():
+    a = core(1)
+    a.observe(0.0, [mate(2, ids={2})], [], [bytes([2]) * 4])
+    a.decide(0.0, frozenset({0, 1}))
+    assert a.uncovered == [3] and a.missing == []
+    a.observe(0.5, [], [bytes([2]) * 4], [bytes([2]) * 4])
+    a.decide(0.5, frozenset({0, 1}))
+    assert a.uncovered == [3] and a.missing == [] and a.mate_slow()
+    a.observe(3.0, [], [bytes([2]) * 4], [bytes([2]) * 4])
+    a.decide(3.0, frozenset({0, 1}))
+    assert a.missing == [2] and a.uncovered == [2, 3]
+
+
+def test_peers_at_one_step_agree_on_the_digest_most_of_them_hold():
+    assert agreed_digest(b"a", [b"b", b"b"]) == b"b"
+    assert agreed_digest(b"b", [b"a"]) == b"a"  # a tie: the smallest, the same on both sides
+    c = core(3)
+    other = next_digest(D0, 0, b"r" * 16)
+    c.observe(0.0, [mate(1, digest=other), mate(2, digest=other)], [], [bytes([1]) * 4, bytes([2]) * 4])
+    action = c.decide(0.0, frozenset())
+    assert isinstance(action, Download) and [p for p, _ in action.sources] == [bytes([1]) * 4, bytes([2]) * 4]
+
+
+def test_a_mate_ahead_is_downloaded_from_before_anything_else():
+    c = core(1)
+    c.observe(0.0, [mate(2, step=3, digest=b"z" * 16)], [], [bytes([2]) * 4])
+    assert isinstance(c.decide(0.0, frozenset({0, 1, 2, 3})), Download)
+
+
+def test_invitations_another_step_or_state_or_a_second_round_are_refused():
+    c = core(2)
+    assert c.invited(0.0, bytes([1]) * 4, 1, D0) is not None
+    assert c.invited(0.0, bytes([1]) * 4, 0, b"y" * 16) is not None
+    assert c.invited(0.0, bytes([1]) * 4, 0, D0) is None
+    c.round_started(b"r1")
+    assert "already" in c.invited(0.0, bytes([1]) * 4, 0, D0)
+
+
+def test_a_smaller_leader_that_invited_us_is_deferred_to_even_out_of_sight():
+    """Asymmetric views: peer 2 sees only peer 3; peer 1 sees both. After peer 1's invitation
+    peer 2 leaves the lead to it for defer_s, so the two do not refuse each other forever."""
+    c = core(2)
+    c.observe(0.0, [mate(3, ids={2, 3})], [], [bytes([3]) * 4])
+    assert isinstance(c.decide(0.0, frozenset({0, 1})), Lead)
+    assert c.invited(0.0, bytes([1]) * 4, 0, D0) is None
+    assert c.decide(0.5, frozenset({0, 1})) is None
+    assert isinstance(c.decide(1.5, frozenset({0, 1})), Lead)
+
+
+def test_a_member_late_in_rounds_is_benched_for_a_growing_while():
+    c = core(1)
+    slow = bytes([2]) * 4
+    c.observe(0.0, [mate(2, ids={2, 3})], [], [slow])
+    c.round_started(b"r1")
+    c.round_failed(0.0, b"r1", c.peer_id, late=[slow])  # the first failure is free
+    assert isinstance(c.decide(0.0, frozenset({0, 1})), Lead)
+    c.round_started(b"r2")
+    c.round_failed(1.0, b"r2", c.peer_id, late=[slow])
+    assert c.decide(1.5, frozenset({0, 1})) is None  # benched 1 s: the step is not covered without it
+    assert "benched" in c.invited(1.5, slow, 0, D0)
+    c.round_started(b"r3")
+    c.round_failed(2.5, b"r3", c.peer_id, late=[slow])
+    assert c.decide(4.0, frozenset({0, 1})) is None and isinstance(c.decide(4.6, frozenset({0, 1})), Lead)
+
+
+def test_a_commit_moves_the_digest_on_and_forgets_the_steps_claims():
+    c = core(1)
+    c.admit(0.0, 0, 1)
+    c.round_started(b"r" * 16)
+    c.committed(0.0, 0, b"r" * 16, c.peer_id, [c.peer_id])
+    assert c.step == 1 and c.digest == next_digest(D0, 0, b"r" * 16) and c.round_id is None
+    assert c.claimed(0) == frozenset()
+    with pytest.raises(RuntimeError):
+        c.committed(0.0, 0, b"s" * 16, c.peer_id, [c.peer_id])
+
+
+def test_a_peer_behind_alone_jumps_only_after_every_look_agreed_for_resume_after_s():
+    c = core(1)
+    c.config = CoreConfig(4, resume_after_s=2.0)
+    assert not c.behind_alone(0.0, True)
+    assert not c.behind_alone(1.0, True)
+    assert not c.behind_alone(1.5, False)  # one look found a mate that may be ahead: start over
+    assert not c.behind_alone(2.0, True) and not c.behind_alone(3.9, True)
+    assert c.behind_alone(4.1, True)
+    c.jumped(7)
+    assert c.step == 7 and c.digest != D0
+
+
+def test_id_sets_travel_as_ranges_and_a_mate_cannot_name_ids_outside_the_step():
+    assert encode_ranges({4, 5, 6, 9}) == [[4, 7], [9, 10]]
+    assert decode_ranges([[4, 7], [9, 10]], range(4, 12)) == frozenset({4, 5, 6, 9})
+    for bad in ([[3, 5]], [[6, 5]], [[4, 6], [5, 7]], [[9, 10], [4, 5]], [[4, 13]], "x", [[4, 5.0]],
+                [[4, 5]] * 9):
+        with pytest.raises(ValueError):
+            decode_ranges(bad, range(4, 12))
+
+
+def test_the_round_timeout_follows_the_bytes_and_the_slowest_measured_rate():
+    from swarmd.stage.allreduce import round_timeout
+
+    numel = 50_000_000  # 200 MB of fp32 gradient; fp16 halves what moves
+    # 4 members move 2*3/4 of the vector each (150 MB in fp16); at 25 MB/s (200 Mb/s) 6 s, x4 margin.
+    assert round_timeout(numel, 4, "fp16", [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx(24.0)
+    assert round_timeout(numel, 4, "none", [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx(48.0)
+    assert round_timeout(numel, 4, "fp16", [1e12] * 4, 5.0, 600.0, 4.0) == 5.0  # the floor
+    assert round_timeout(numel, 4, "fp16", [1e3] * 4, 5.0, 600.0, 4.0) == 600.0  # the ceiling
+    assert round_timeout(numel, 4, "fp16", [25e6, 0.0, 1e9, 1e9], 5.0, 600.0, 4.0) == 600.0  # unmeasured
