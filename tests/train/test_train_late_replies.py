@@ -29,15 +29,19 @@ def slow_last_stage(swarm_, slow_s: float, which):
 
 async def test_a_late_last_stage_reply_that_let_the_stage_commit_does_not_stop_the_trainer(tiny_job, swarm,
                                                                                            pools, kit):
-    """Steps: 2 stages × 1 peer, one microbatch per step; the last stage's computes of step 0 take
-    1.5 s, past the trainer's 1 s call timeout, and complete: the first lets the stage commit step
-    0 while the trainer still waits for the answer stage 0 needs. Expected: the trainer learns the
-    stage committed (a retry is answered stale_step), covers stage 0 with a zero gradient for that
-    microbatch and trains on: 3 steps, every stage commits each once with exactly the global batch
-    and no duplicate, and step 0 reports the one answer lost (its loss unknown)."""
+    """Steps: 2 stages × 1 peer, one microbatch per step; the last stage's first two computes of
+    step 0 (the call and its retry on the same peer) take 1.5 s, past the trainer's 1 s call
+    timeout, and complete: the first lets the stage commit step 0 while the trainer still waits
+    for the answer stage 0 needs. Expected: the trainer does not stop (the old one raised StepLost
+    at the third attempt's stale_step): it covers stage 0 with a zero gradient for that microbatch
+    (one answer lost, step 0's loss unknown), or, from a stage that answers a call for its last
+    committed step on that step's parameters, takes the answer; and trains on: 3 steps, every stage
+    commits each once with exactly the global batch and no duplicate."""
     spec, data = tiny_job(optim="sgd", lr=0.1, stages=2, global_samples=4, microbatch_samples=4, in_flight=1)
     swarm_ = await swarm(spec, peers_per_stage=1)
-    last = slow_last_stage(swarm_, 1.5, lambda batch: batch[0].step == 0)
+    slowed = []
+    last = slow_last_stage(swarm_, 1.5, lambda batch: batch[0].step == 0 and len(slowed) < 2
+                           and not slowed.append(batch))
     config = dataclasses.replace(kit.TRAINER_CONFIG, forward_timeout_s=1.0, backward_timeout_s=1.0)
     trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=config)
     events = await asyncio.wait_for(trainer.run(0, 3), 60)
@@ -45,10 +49,11 @@ async def test_a_late_last_stage_reply_that_let_the_stage_commit_does_not_stop_t
         print(f"step {e.step}: stage samples {e.stage_samples}, duplicates {e.duplicates}, "
               f"answers lost {e.answers_lost}, retries {e.retries}")
     assert [e.step for e in events] == [0, 1, 2]
-    assert [e.answers_lost for e in events] == [1, 0, 0]
     assert all(e.stage_samples == (4, 4) and e.duplicates == (0, 0) for e in events)
     assert last.committed == 3 and swarm_.of_stage(0)[0].service.committed == 3
-    assert events[0].global_loss is None and events[1].global_loss is not None  # step 0's loss was lost
+    # The answer is lost (the stage below covered) unless the stage replays its committed step.
+    assert [e.answers_lost for e in events[1:]] == [0, 0] and events[0].answers_lost <= 1
+    assert (events[0].global_loss is None) == (events[0].answers_lost == 1)
 
 
 async def test_a_timed_out_call_is_retried_on_the_same_peer_first_and_its_answer_kept(tiny_job, swarm, pools, kit):
@@ -129,7 +134,9 @@ async def test_a_trainer_cancelled_mid_step_has_its_share_finished_by_the_other(
               f"stage samples {e.stage_samples}, duplicates {e.duplicates}")
         assert all(s in (G, -1) for s in e.stage_samples) and all(d in (0, -1) for d in e.duplicates), e
     assert [e.step for e in survivor] == [0, 1, 2, 3]
-    assert [e.taken_over for e in survivor] == [0, 2, 2, 2]
+    # Step 1: what the dead trainer had not finished (it may have finished one before the cancel
+    # landed); steps 2 and 3: its whole share.
+    assert survivor[0].taken_over == 0 and [e.taken_over for e in survivor[2:]] == [2, 2]
     lost = sum(e.answers_lost for e in survivor)
     assert lost <= spec.pipeline.microbatches_in_flight
     if not lost:
