@@ -1,8 +1,9 @@
 """Trainers running inside the daemon, their events buffered on the job for `job.logs`.
 
 A job submitted with `trainers = K` runs shards 0..K-1 here; `job.train {job, data, shard, shards}`
-runs one more shard in another daemon (shard k of K: the shards split each step's microbatches, so
-together they cover the global batch exactly once).
+runs one more shard in another daemon (shard k of K: each trainer starts every step with its share of
+the microbatches and takes over shares that stay undone, so a dead trainer's work is done by the
+others; docs/trainer.md).
 
 The bans this daemon's trainers of a job made are kept for `job.get` (`bans`): a live trainer's from
 the trainer itself, a finished one's copied onto the job (bounded by `TrainerConfig.ban_log_kept`)
@@ -122,7 +123,8 @@ class Training:
                   samples_per_s=job.samples_per_s,
                   shard=shard, shard_loss=event.shard_loss, samples=event.samples, retries=event.retries,
                   peers_per_stage=list(event.peers_per_stage), stage_samples=list(event.stage_samples),
-                  duplicates=list(event.duplicates))
+                  duplicates=list(event.duplicates), taken_over=event.taken_over,
+                  answers_lost=event.answers_lost)
 
     def _rate(self, job: Job, event: StepEvent) -> float:
         """The job's samples/s: global batches over the time between the last RATE_WINDOW steps'

@@ -11,9 +11,3 @@ class TrainerError(SwarmdError):
 
 class InputRefused(TrainerError):
     """Several peers refused the same input as `bad_input`: the input is at fault, not the peers."""
-
-
-class StepLost(TrainerError):
-    """A stage committed a step without an answer this trainer still needed (a timed-out call had in
-    fact completed before the stage stepped), so the step's remaining work cannot be computed."""
-

@@ -11,9 +11,10 @@ class StepEvent:
     """Step `step` is committed by every stage, with this trainer's share of the work done."""
 
     step: int
-    shard_loss: float  # sum of this shard's sample-summed losses / its samples
-    global_loss: float | None  # the step's mean loss over the global batch; only known when K = 1
-    samples: int  # samples this trainer pushed through the pipeline this step
+    shard_loss: float  # sum of this trainer's sample-summed losses / their samples (nan: none known)
+    # The step's mean loss over the global batch; known when this trainer did every microbatch.
+    global_loss: float | None
+    samples: int  # samples this trainer pushed through the pipeline this step (its share and what it took over)
     tokens_per_s: float  # this trainer's tokens over the step's wall time (until every stage committed)
     elapsed_s: float
     retries: int  # RPC attempts this step that had to go elsewhere (timeouts, busy, errors, bad replies)
@@ -22,6 +23,10 @@ class StepEvent:
     peers_per_stage: tuple[int, ...]  # usable (announced, not banned) peers per stage at the end
     stage_samples: tuple[int, ...]  # per stage, samples its peers summed for the step (-1: not reported)
     duplicates: tuple[int, ...]  # per stage, microbatches counted twice (across or on peers); -1: unknown
+    taken_over: int = 0  # microbatches of other trainers' shares this trainer did (they looked undone)
+    # Microbatches whose answer a stage committed past before this trainer got it: the stages below
+    # it summed a zero gradient for them (docs/trainer.md, "No trainer dies of a late reply").
+    answers_lost: int = 0
 
 
 @dataclass(frozen=True)

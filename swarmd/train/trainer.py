@@ -1,30 +1,38 @@
-"""The trainer: drives its shard of every step's microbatches through a swarm of stage peers.
+"""The trainer: drives every step's microbatches through a swarm of stage peers until each stage commits.
 
 SWARM's trainer is the hub of every microbatch (trainer → stage peer → trainer, no server-to-server
-link): it keeps each stage's input, so a backward can go to *any* peer of the stage (recompute is
-stateless) and a peer that dies holding gradients costs only a re-send. Per microbatch of step s:
-forward through stages 0..n-2, `forward_backward` on the last (the targets never leave the trainer
-except to it, so logits never cross the network), then backward from n-2 down to 0, each hop to a
-peer picked afresh by the stochastic wiring. Several microbatches are in flight at once so every
-stage stays busy. Every call is retried elsewhere until it succeeds or the trainer is cancelled;
-each has a timeout, and when a stage has no usable peer the trainer waits with a status saying so
-and re-reads the directory with backoff, so nothing waits unboundedly and silently.
+link). Per microbatch of step s: forward through stages 0..n-2, `forward_backward` on the last (the
+targets never leave the trainer except to it), then backward from n-2 down to 0, each hop to a
+peer picked afresh by the stochastic wiring. Several microbatches are in flight at once. Every
+call is retried elsewhere until it succeeds or the trainer is cancelled; each has a timeout
+derived from the peer's measured rate, and when a stage has no usable peer the trainer waits with
+a status saying so and re-reads the directory with backoff: nothing waits unboundedly and silently.
 
-After its microbatches of step s, the trainer polls `stage.info` until every stage has committed s
-(see docs/stage-rpc.md), re-sending the backward of any of its microbatches a stage has lost (a
-peer that died before the all-reduce took them with it). Only then are the step's
-saved inputs and gradients dropped. Shards are fixed: trainer k of K takes microbatch indices
-m ≡ k (mod K).
+What it keeps its promises with (docs/trainer.md, "Invariants"):
+- No trainer dies of a late reply. A call that timed out may still have completed and let the
+  stage commit; a retry then gets `stale_step`. The stage has the microbatch; the stages below it
+  still need its input gradient, which only the committed stage's old parameters could give: the
+  trainer covers them with a zero gradient (the id is summed once, its contribution below that
+  stage is lost, counted in `answers_lost`) and moves on. A stage that replays a committed step's
+  answer (docs/stage-rpc.md) makes this path exact without any change here.
+- No fixed shards. Trainer k of K starts with its share (m ≡ k mod K); once done, it takes over
+  microbatches the stages still show undone after a bound (`assignment.py`), so a dead trainer's
+  work is done by the others.
+- Memory bounded by the work in flight: a finished microbatch's tensors, needed only for a re-send,
+  go to disk (`held.py`).
+- A step's commit is watched by asking every stage at once, each peer with a short timeout, and a
+  stage is settled by its first peer past the step: one hung peer costs one short timeout per poll.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +41,11 @@ import torch
 from swarmd.directory import StageDirectory, StagePeer
 from swarmd.job.data import Microbatch, TrainingData
 from swarmd.job.spec import JobSpec
-from swarmd.train.errors import InputRefused, StepLost, TrainerError
+from swarmd.train import progress
+from swarmd.train.assignment import Assignment, TakeoverPolicy
+from swarmd.train.errors import InputRefused, TrainerError
 from swarmd.train.events import EventSink, StatusEvent, StepEvent
+from swarmd.train.held import HeldTensors, StageTensors
 from swarmd.train.replies import (
     StageShapes,
     check_backward,
@@ -60,12 +71,17 @@ RECORD_POLLS = 5
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    # Per-call timeouts, the paper's code's values: a forward is ~1/3 of a backward's work, and a
-    # call past these is rerouted (not banned). forward_backward uses the backward timeout.
+    # Per-call timeout ceilings (the paper's code's fixed values): a forward is ~1/3 of a backward's
+    # work. The timeout actually used is derived from the peer's measured rate (WiringConfig:
+    # timeout_factor, timeout_floor_s) and is the ceiling only for a peer not measured yet or one
+    # that just timed out. forward_backward uses the backward ceiling.
     forward_timeout_s: float = 30.0
     backward_timeout_s: float = 75.0
-    # stage.info is answered from memory; a peer that cannot answer in this long is skipped.
+    # A directory read that takes longer is given up (the previous peer list is kept).
     info_timeout_s: float = 10.0
+    # stage.info calls (a commit watch, a joining trainer): every peer of every stage is asked at once,
+    # each for at most this long (answered from memory, so a peer slower than this is hung or overloaded).
+    stage_info_timeout_s: float = 2.0
     # Directory re-read period (the paper's code: 30 s; shorter finds replacements sooner).
     refresh_s: float = 5.0
     # Pause when every usable peer of a stage failed one call, or when a stage has no peers at all:
@@ -83,7 +99,7 @@ class TrainerConfig:
     # completed is not taken for a lost one (a re-send to another peer would be a duplicate).
     uncovered_grace_s: float = 3.0
     # A stage that has not committed a step this long after this trainer's part was done gets a
-    # status line (the wait goes on: only the stage can finish its step).
+    # status line (the wait goes on).
     commit_status_after_s: float = 10.0
     # Distinct peers that may refuse one input as bad_input before the input is blamed.
     max_bad_input: int = 3
@@ -96,11 +112,16 @@ class TrainerConfig:
     verify_rtol: float = 0.05
     # Ban records kept for `banned_peers` (what `swarmctl job` shows), oldest dropped first.
     ban_log_kept: int = 64
+    # When another trainer's microbatches are taken over (assignment.py).
+    takeover: TakeoverPolicy = field(default_factory=TakeoverPolicy)
+    # Where finished microbatches' tensors wait for their step's commit (held.py); None: the system's temp dir.
+    held_dir: str | None = None
     wiring: WiringConfig = field(default_factory=WiringConfig)
 
     def __post_init__(self) -> None:
-        positive = ("forward_timeout_s", "backward_timeout_s", "info_timeout_s", "refresh_s", "wait_initial_s",
-                    "wait_max_s", "commit_poll_s", "commit_poll_max_s", "commit_status_after_s")
+        positive = ("forward_timeout_s", "backward_timeout_s", "info_timeout_s", "stage_info_timeout_s",
+                    "refresh_s", "wait_initial_s", "wait_max_s", "commit_poll_s", "commit_poll_max_s",
+                    "commit_status_after_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be positive, got {getattr(self, name)}")
@@ -113,18 +134,15 @@ class TrainerConfig:
                              "uncovered_grace_s >= 0")
 
 
-@dataclass
-class _Record:
-    """What the trainer keeps of one microbatch until every stage committed its step."""
+@dataclass(frozen=True)
+class _Done:
+    """What stays in memory of a finished microbatch until its step commits: no tensors (held.py)."""
 
-    mb: Microbatch
-    inputs: list[torch.Tensor]  # x_i for every stage i
-    grads: list[torch.Tensor | None]  # grad_y_i for every stage but the last
-    loss_sum: float = 0.0
-
-    @property
-    def samples(self) -> int:
-        return len(self.mb.sample_indices)
+    index: int
+    mb_id: int
+    samples: int
+    loss_sum: float | None  # None: the last stage's answer was lost to a commit (answers_lost)
+    taken_over: bool = False
 
 
 class _Stale(Exception):
@@ -145,6 +163,7 @@ class _Counters:
     retries: int = 0
     bans: int = 0
     resent: int = 0
+    answers_lost: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,11 +181,7 @@ class Trainer:
     def __init__(self, spec: JobSpec, job_id: bytes, directory: StageDirectory, pool: Pool, data: TrainingData,
                  *, shard: int = 0, shards: int = 1, config: TrainerConfig = TrainerConfig(),
                  on_event: EventSink | None = None, shapes: list[StageShapes] | None = None) -> None:
-        per_step = spec.batch.microbatches_per_step
-        if not 1 <= shards <= per_step:
-            raise ValueError(f"shards must be in 1..{per_step} (microbatches per step), got {shards}")
-        if not 0 <= shard < shards:
-            raise ValueError(f"shard must be in 0..{shards - 1}, got {shard}")
+        self.assignment = Assignment(spec.batch.microbatches_per_step, shard, shards, config.takeover)
         if shapes is not None and len(shapes) != spec.pipeline.stages:
             raise ValueError(f"{len(shapes)} stage shapes for {spec.pipeline.stages} stages")
         self.spec = spec
@@ -187,6 +202,10 @@ class Trainer:
         self._held_by: dict[tuple[int, int], bytes] = {}
         self._ban_log: deque[BanRecord] = deque(maxlen=config.ban_log_kept)
         self._verify_rng = random.Random(f"verify {config.wiring.seed} {shard}")
+        self._held: HeldTensors | None = None
+        self._takeover_slots = asyncio.Semaphore(1)  # replaced per commit watch
+        self.in_memory = 0  # microbatches whose tensors are in memory now (in flight)
+        self.peak_in_memory = 0
 
     # ------------------------------------------------------------------ public
 
@@ -201,13 +220,15 @@ class Trainer:
         return list(self._ban_log)
 
     def my_microbatches(self) -> list[int]:
-        return [m for m in range(self.spec.batch.microbatches_per_step) if m % self.shards == self.shard]
+        """The indices this trainer starts every step with (others' are taken over when left undone)."""
+        return self.assignment.own()
 
     async def run(self, start_step: int | None = None, stop_step: int | None = None) -> list[StepEvent]:
         """Train steps [start_step, stop_step) (default: from the swarm's current step to the spec's
         last) and return their events. Raises TrainerError when training cannot go on."""
         if self._shapes is None:
             self._shapes = await asyncio.to_thread(stage_shapes, self.spec)
+        self._held = await asyncio.to_thread(HeldTensors, self.config.held_dir)
         try:
             async with asyncio.TaskGroup() as tasks:
                 await self._refresh_all()
@@ -218,6 +239,8 @@ class Trainer:
                     refresher.cancel()
         except BaseExceptionGroup as group:
             raise _single(group) from None
+        finally:
+            await asyncio.shield(self._held.close())
 
     # ------------------------------------------------------------------ steps
 
@@ -230,10 +253,11 @@ class Trainer:
             previous: asyncio.Task[StepEvent] | None = None
             while step < stop:
                 started = loop.time()
-                records = await self._run_microbatches(step)
+                done = await self._run_own(step)
+                own_s = loop.time() - started
                 if previous is not None:
                     events.append(await previous)
-                previous = tasks.create_task(self._finish_step(step, records, started), name=f"commit {step}")
+                previous = tasks.create_task(self._finish_step(step, done, started, own_s), name=f"commit {step}")
                 if not self.spec.pipeline.delayed_updates:
                     events.append(await previous)
                     previous = None
@@ -242,45 +266,80 @@ class Trainer:
                 events.append(await previous)
         return events
 
-    async def _run_microbatches(self, step: int) -> list[_Record]:
+    async def _run_own(self, step: int) -> dict[int, _Done]:
+        """This trainer's share of the step, `microbatches_in_flight` at a time: index -> what is kept."""
         slots = asyncio.Semaphore(self.spec.pipeline.microbatches_in_flight)
-        mine = self.my_microbatches()
-        records: list[_Record | None] = [None] * len(mine)
+        done: dict[int, _Done] = {}
 
-        async def one(j: int, index: int) -> None:
+        async def one(index: int) -> None:
             async with slots:
-                records[j] = await self._microbatch(step, index)
+                done[index] = await self._microbatch(step, index)
 
         async with asyncio.TaskGroup() as tasks:
-            for j, index in enumerate(mine):
-                tasks.create_task(one(j, index), name=f"microbatch {step}/{index}")
-        return [r for r in records if r is not None]
+            for index in self.my_microbatches():
+                tasks.create_task(one(index), name=f"microbatch {step}/{index}")
+        return done
 
-    async def _microbatch(self, step: int, index: int) -> _Record:
-        """Forward through every stage, fused forward+backward on the last, backward to the first."""
+    async def _microbatch(self, step: int, index: int, taken_over: bool = False) -> _Done:
+        """Forward through every stage, fused forward+backward on the last, backward to the first;
+        then the tensors a re-send needs go to disk and only a small record stays."""
         mb = await asyncio.to_thread(self.data.microbatch, step, index)
-        n = self.num_stages
-        record = _Record(mb, inputs=[mb.inputs], grads=[None] * n)
+        self.in_memory += 1
+        self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
         try:
-            for i in range(n - 1):
-                record.inputs.append(await self._forward(i, step, mb, record.inputs[i]))
-            reply = await self._send_last(step, record)
-            record.loss_sum = float(reply.meta["loss_sum"])
-            grad = reply.tensors[0] if n > 1 else None
-            for i in range(n - 2, 0, -1):
-                record.grads[i] = grad
-                reply = await self._send_backward(i, step, record)
-                grad = reply.tensors[0]
-            if n > 1:
-                record.grads[0] = grad
-                try:
-                    await self._send_backward(0, step, record)
-                except _Stale:
-                    pass  # stage 0 committed, so it had this microbatch; nothing depends on its answer
+            kept, loss_sum = await self._pass(step, mb)
+            await self._held.put(step, mb.id, kept)
+        finally:
+            self.in_memory -= 1
+        return _Done(index, mb.id, len(mb.sample_indices), loss_sum, taken_over)
+
+    async def _pass(self, step: int, mb: Microbatch) -> tuple[StageTensors, float | None]:
+        """One microbatch through the pipeline: per stage, the (input, output gradient) it was sent,
+        and the loss (None when the last stage's answer was lost to its commit)."""
+        n = self.num_stages
+        xs = [mb.inputs]
+        for i in range(n - 1):
+            try:
+                xs.append(await self._forward(i, step, mb, xs[i]))
+            except _Stale as exc:
+                return await self._cover(step, mb, xs, i, exc), None
+        try:
+            reply = await self._send_last(step, mb, xs[-1])
         except _Stale as exc:
-            raise StepLost(f"microbatch {mb.id} of step {step}: {exc}; the stage stepped without the answer "
-                           "this trainer needs (raise the per-call timeouts if compute is slow)") from None
-        return record
+            return await self._cover(step, mb, xs, n - 1, exc), None
+        loss_sum = float(reply.meta["loss_sum"])
+        kept: StageTensors = {n - 1: (xs[-1] if n > 1 else None, None)}
+        grad = reply.tensors[0] if n > 1 else None
+        for i in range(n - 2, -1, -1):
+            kept[i] = (xs[i] if i else None, grad)
+            try:
+                reply = await self._send_backward(i, step, mb, xs[i], grad)
+            except _Stale as exc:
+                if i == 0:
+                    break  # stage 0 committed, so it had this microbatch; nothing depends on its answer
+                return kept | await self._cover(step, mb, xs, i, exc), loss_sum
+            grad = reply.tensors[0] if i else None
+        return kept, loss_sum
+
+    async def _cover(self, step: int, mb: Microbatch, xs: list[torch.Tensor], committed: int,
+                     exc: _Stale) -> StageTensors:
+        """Stage `committed` stepped past `step` holding this microbatch (a call that timed out here
+        had completed there) before this trainer got the answer the stages below it need. Those
+        stages still wait for the id; they get a zero output gradient, so the id is summed once
+        and the step commits; what the microbatch would have added below `committed` is lost
+        (counted in `answers_lost`). A stage that replays committed steps never gets here."""
+        log.warning("microbatch %d of step %d: %s; the stage stepped before this trainer got its answer: "
+                    "stages 0..%d get a zero gradient for it", mb.id, step, exc, committed - 1)
+        self._counters.answers_lost += 1
+        kept: StageTensors = {}
+        for i in range(committed - 1, -1, -1):
+            grad = torch.zeros_like(xs[i + 1])
+            kept[i] = (xs[i] if i else None, grad)
+            try:
+                await self._send_backward(i, step, mb, xs[i], grad)
+            except _Stale:
+                continue  # this stage committed too: it had the microbatch
+        return kept
 
     async def _forward(self, stage: int, step: int, mb: Microbatch, x: torch.Tensor) -> torch.Tensor:
         """A forward, recomputed on a second peer for a `verify_fraction` of microbatches. Only
@@ -346,9 +405,9 @@ class Trainer:
             try:
                 reply = await self.pool.call(pick.peer.addr, "stage.forward",
                                              Message(meta, [x], self.spec.wire.activations),
-                                             timeout=self.config.forward_timeout_s)
+                                             timeout=wiring.call_timeout(pick, self.config.forward_timeout_s))
             except DeadlineExceeded:
-                wiring.timed_out(pick, loop.time() - started)
+                wiring.timed_out(pick, loop.time() - started, time.time())
             except RemoteError as exc:
                 if exc.code == STALE_STEP:
                     raise _Stale(f"stage {stage} peer {pick.peer.addr}: {exc.message}") from None
@@ -364,38 +423,43 @@ class Trainer:
                 self._ban(stage, pick.peer, f"stage.forward returned a bad reply: {problem}")
             failed.add(pick.peer.peer_id)
 
-    async def _send_last(self, step: int, record: _Record) -> Message:
-        reply, _ = await self._send_last_on(step, record)
+    async def _send_last(self, step: int, mb: Microbatch, x: torch.Tensor) -> Message:
+        reply, _ = await self._send_last_on(step, mb, x)
         return reply
 
-    def _send_last_on(self, step: int, record: _Record) -> Awaitable[tuple[Message, StagePeer]]:
-        x = record.inputs[-1]
+    async def _send_last_on(self, step: int, mb: Microbatch, x: torch.Tensor) -> tuple[Message, StagePeer]:
         first = self.num_stages == 1
-        return self._call_on(self.num_stages - 1, Kind.FORWARD_BACKWARD, "stage.forward_backward", step, record.mb,
-                             [x, record.mb.targets], self.spec.wire.activations,
-                             lambda r: check_forward_backward(r, x, first))
+        return await self._call_on(self.num_stages - 1, Kind.FORWARD_BACKWARD, "stage.forward_backward", step, mb,
+                                   [x, mb.targets], self.spec.wire.activations,
+                                   lambda r: check_forward_backward(r, x, first))
 
-    async def _send_backward(self, stage: int, step: int, record: _Record) -> Message:
-        reply, _ = await self._send_backward_on(stage, step, record)
+    async def _send_backward(self, stage: int, step: int, mb: Microbatch, x: torch.Tensor,
+                             grad: torch.Tensor) -> Message:
+        reply, _ = await self._send_backward_on(stage, step, mb, x, grad)
         return reply
 
-    def _send_backward_on(self, stage: int, step: int, record: _Record) -> Awaitable[tuple[Message, StagePeer]]:
-        x, grad = record.inputs[stage], record.grads[stage]
-        return self._call_on(stage, Kind.BACKWARD, "stage.backward", step, record.mb, [x, grad],
-                             self.spec.wire.gradients, lambda r: check_backward(r, x, stage == 0))
+    async def _send_backward_on(self, stage: int, step: int, mb: Microbatch, x: torch.Tensor,
+                                grad: torch.Tensor) -> tuple[Message, StagePeer]:
+        return await self._call_on(stage, Kind.BACKWARD, "stage.backward", step, mb, [x, grad],
+                                   self.spec.wire.gradients, lambda r: check_backward(r, x, stage == 0))
 
     # ------------------------------------------------------------------ commit
 
-    async def _finish_step(self, step: int, records: list[_Record], started: float) -> StepEvent:
-        stage_records = await self._wait_committed(step, records)
+    async def _finish_step(self, step: int, done: dict[int, _Done], started: float, own_s: float) -> StepEvent:
+        try:
+            stage_records = await self._wait_committed(step, done, own_s)
+        finally:
+            await asyncio.shield(self._held.drop(step))
         elapsed = max(asyncio.get_running_loop().time() - started, 1e-9)
-        samples = sum(r.samples for r in records)
-        loss = sum(r.loss_sum for r in records)
+        known = [d for d in done.values() if d.loss_sum is not None]
+        samples = sum(d.samples for d in done.values())
+        loss = sum(d.loss_sum for d in known)
+        whole = len(known) == self.spec.batch.microbatches_per_step
         counters, self._counters = self._counters, _Counters()
         event = StepEvent(
             step=step,
-            shard_loss=loss / samples,
-            global_loss=loss / self.spec.batch.global_samples if self.shards == 1 else None,
+            shard_loss=loss / max(sum(d.samples for d in known), 1) if known else math.nan,
+            global_loss=loss / self.spec.batch.global_samples if whole else None,
             samples=samples,
             tokens_per_s=samples * self.spec.data.seq_len / elapsed,
             elapsed_s=elapsed,
@@ -405,49 +469,101 @@ class Trainer:
             peers_per_stage=tuple(len(self.wiring[i].usable(time.time())) for i in range(self.num_stages)),
             stage_samples=tuple(samples for samples, _ in stage_records),
             duplicates=tuple(duplicates for _, duplicates in stage_records),
+            taken_over=sum(d.taken_over for d in done.values()),
+            answers_lost=counters.answers_lost,
         )
-        log.info("step %d shard loss %.4f, %.0f tokens/s, %d retries, %d bans", step, event.shard_loss,
-                 event.tokens_per_s, event.retries, event.bans)
+        log.info("step %d shard loss %.4f, %.0f tokens/s, %d retries, %d bans, %d taken over", step,
+                 event.shard_loss, event.tokens_per_s, event.retries, event.bans, event.taken_over)
         self._emit(event)
         return event
 
-    async def _wait_committed(self, step: int, records: list[_Record]) -> list[tuple[int, int]]:
-        """Poll until every stage committed `step`, re-sending what a stage lost. Returns, per stage,
-        the (samples, summed_duplicates) of its step record (-1 where no peer reported one)."""
-        by_id = {r.mb.id: r for r in records}
+    async def _wait_committed(self, step: int, done: dict[int, _Done], own_s: float) -> list[tuple[int, int]]:
+        """Poll until every stage committed `step`: re-send what a stage lost of this trainer's
+        microbatches, take over others' that stay undone. Returns, per stage, the (samples,
+        summed_duplicates) of its step record (-1 where no peer reported one)."""
         committed: dict[int, tuple[int, int]] = {}
-        uncovered_since: dict[tuple[int, int], float] = {}
+        watches = {i: progress.LossWatch(self.config.uncovered_grace_s) for i in range(self.num_stages)}
         unrecorded: dict[int, int] = {}
+        self.assignment.begin_step()
+        takeovers: dict[int, asyncio.Task] = {}
+        # Taken-over microbatches run `microbatches_in_flight` at a time, as the own share does.
+        self._takeover_slots = asyncio.Semaphore(self.spec.pipeline.microbatches_in_flight)
         delay = self.config.commit_poll_s
         loop = asyncio.get_running_loop()
         began = loop.time()
-        while len(committed) < self.num_stages:
-            for i in range(self.num_stages):
-                if i in committed:
-                    continue
-                answers = await self._stage_answers(i)
-                infos = list(answers.values())
-                done = [info for info in infos if _int(info.get("step")) > step]
-                self._commit_status(i, step, infos, done, loop.time() - began)
-                if done:
-                    # A peer's step count can move a moment before its step record lands: ask
-                    # again a few times for the record, then do without it.
-                    record = _step_record(done, step)
-                    unrecorded[i] = unrecorded.get(i, 0) + 1
-                    if record != (-1, -1) or unrecorded[i] > RECORD_POLLS:
-                        committed[i] = record
-                    continue
-                lost = self._lost(i, step, infos, set(by_id), uncovered_since, loop.time())
-                for mb in [mb for mb in lost if _int(answers.get(self._held_by.get((i, mb)), {}).get("step"), -1) == step]:
-                    del lost[mb]  # its holder answered at this step: the reports lag what it holds
-                await self._resend(i, step, [(by_id[mb], why) for mb, why in sorted(lost.items())])
-            if len(committed) < self.num_stages:
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, self.config.commit_poll_max_s)
+        try:
+            while len(committed) < self.num_stages:
+                pending = [i for i in range(self.num_stages) if i not in committed]
+                answers = await self._poll_stages(pending)
+                undone: set[int] = set()
+                fresh: set[int] = set()  # undone even at the last stage: started nowhere
+                for i in pending:
+                    infos = list(answers[i].values())
+                    finished = progress.committed(infos, step)
+                    self._commit_status(i, step, infos, finished, loop.time() - began)
+                    if finished:
+                        # A peer's step count can move a moment before its step record lands: ask
+                        # again a few times for the record, then do without it.
+                        record = progress.step_record(finished, step)
+                        unrecorded[i] = unrecorded.get(i, 0) + 1
+                        if record != (-1, -1) or unrecorded[i] > RECORD_POLLS:
+                            committed[i] = record
+                        continue
+                    await self._resend_lost(i, step, answers[i], watches[i], done)
+                    ids = self._step_ids(step)
+                    here = {mb - ids.start for mb in progress.uncovered_everywhere(infos, step, set(ids))}
+                    undone |= here
+                    fresh |= here if i == self.num_stages - 1 else set()
+                self._take_over(step, undone, fresh, done, takeovers, own_s)
+                if len(committed) < self.num_stages:
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, self.config.commit_poll_max_s)
+        finally:
+            for task in takeovers.values():
+                task.cancel()  # the step committed without them (or the trainer stops)
+            outcomes = await asyncio.gather(*takeovers.values(), return_exceptions=True)
+        # A takeover that failed the way a trainer can fail (InputRefused) no longer matters once the
+        # step committed; anything else is a bug and is not swallowed.
+        for outcome in outcomes:
+            if isinstance(outcome, Exception) and not isinstance(outcome, (TrainerError, asyncio.CancelledError)):
+                raise outcome
         for table in (self._resent_at, self._held_by):
-            for key in [k for k in table if k[1] in by_id]:
+            for key in [k for k in table if k[1] in self._step_ids(step)]:
                 del table[key]
         return [committed[i] for i in range(self.num_stages)]
+
+    def _step_ids(self, step: int) -> range:
+        per_step = self.spec.batch.microbatches_per_step
+        return range(step * per_step, (step + 1) * per_step)
+
+    def _take_over(self, step: int, undone: set[int], fresh: set[int], done: dict[int, _Done],
+                   takeovers: dict[int, asyncio.Task], own_s: float) -> None:
+        """Start the microbatches of other trainers that the stages show undone past this trainer's
+        bound (assignment.py); each lands in `done` when through. A failed one is an error of the
+        trainer (as in its own share), heard when the commit watch ends."""
+        for index, task in list(takeovers.items()):
+            if task.done():
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+                del takeovers[index]
+        started = set(done) | set(takeovers)
+        for index in self.assignment.due(undone, fresh, started, asyncio.get_running_loop().time(), own_s):
+            log.info("taking over microbatch %d of step %d: the stages show it undone", index, step)
+
+            async def run(index: int = index) -> None:
+                async with self._takeover_slots:
+                    done[index] = await self._microbatch(step, index, taken_over=True)
+
+            takeovers[index] = asyncio.create_task(run(), name=f"takeover {step}/{index}")
+
+    async def _resend_lost(self, stage: int, step: int, answers: dict[bytes, dict[str, Any]],
+                           watch: progress.LossWatch, done: dict[int, _Done]) -> None:
+        by_id = {d.mb_id: d for d in done.values()}
+        lost = watch.lost(list(answers.values()), step, set(by_id), asyncio.get_running_loop().time())
+        for mb in [mb for mb in lost if
+                   progress.as_int(answers.get(self._held_by.get((stage, mb)), {}).get("step"), -1) == step]:
+            del lost[mb]  # its holder answered at this step: the reports lag what it holds
+        await self._resend(stage, step, [(by_id[mb], why) for mb, why in sorted(lost.items())])
 
     def _commit_status(self, stage: int, step: int, infos: list[dict[str, Any]], done: list, waited: float) -> None:
         """Say so when a stage takes long to commit: a stage-wide step that does not come is what
@@ -455,77 +571,56 @@ class Trainer:
         if done or waited < self.config.commit_status_after_s:
             self._set_waiting(("commit", stage), "")
             return
-        uncovered = min((len(_ints(info.get("uncovered"))) for info in infos), default=-1)
+        uncovered = min((len(progress.as_ints(info.get("uncovered"))) for info in infos), default=-1)
         self._set_waiting(("commit", stage), f"stage {stage} has not committed step {step} for "
                                              f"{self.config.commit_status_after_s:g}+ s "
                                              f"({len(infos)} peers answered, {uncovered} microbatches uncovered)")
 
-    def _lost(self, stage: int, step: int, infos: list[dict[str, Any]], mine: set[int],
-              uncovered_since: dict[tuple[int, int], float], now: float) -> dict[int, str]:
-        """This trainer's microbatches the stage no longer holds. `missing` (a peer held them, then
-        left) is believed at once. `uncovered` (no live peer holds them) can merely lag a backward
-        that just finished, so it counts only when every answering peer says so for
-        `uncovered_grace_s`: all of this trainer's backwards had completed before polling began.
-        Peers that have all committed fewer than `step` steps hold nothing of it (their progress is
-        about an older step): the stage lost its state, e.g. restored an older checkpoint after all
-        its peers died; everything of ours is uncovered there, and the re-send is what lets the
-        stage take up this step again (StageService._resume_at)."""
-        missing = {mb for info in infos for mb in _ints(info.get("missing"))} & mine
-        uncovered = set(mine)
-        if not infos or any(_int(info.get("step")) >= step for info in infos):
-            for info in infos:
-                uncovered &= set(_ints(info.get("uncovered")))
-        for key in [k for k in uncovered_since if k[0] == stage and k[1] not in uncovered]:
-            del uncovered_since[key]
-        for mb in uncovered:
-            uncovered_since.setdefault((stage, mb), now)
-        lost = {mb: "uncovered" for mb in uncovered
-                if now - uncovered_since[(stage, mb)] >= self.config.uncovered_grace_s}
-        return lost | {mb: "missing" for mb in missing}
-
-    async def _resend(self, stage: int, step: int, lost: list[tuple[_Record, str]]) -> None:
+    async def _resend(self, stage: int, step: int, lost: list[tuple[_Done, str]]) -> None:
         now = asyncio.get_running_loop().time()
-        for record, why in lost:
-            key = (stage, record.mb.id)
+        for done, why in lost:
+            key = (stage, done.mb_id)
             if now - self._resent_at.get(key, -float("inf")) < self.config.resend_grace_s:
                 continue
-            log.info("stage %d lost microbatch %d of step %d (%s): re-sending", stage, record.mb.id, step, why)
+            kept = await self._held.get(step, done.mb_id)
+            if kept is None or stage not in kept:
+                continue  # not sent to this stage by this trainer (its answer above was lost)
+            log.info("stage %d lost microbatch %d of step %d (%s): re-sending", stage, done.mb_id, step, why)
+            mb = await asyncio.to_thread(self.data.microbatch, step, done.index)
+            x, grad = kept[stage]
+            x = mb.inputs if stage == 0 else x
             try:
-                reply, peer = await (self._send_last_on(step, record) if stage == self.num_stages - 1
-                                     else self._send_backward_on(stage, step, record))
+                reply, peer = await (self._send_last_on(step, mb, x) if stage == self.num_stages - 1
+                                     else self._send_backward_on(stage, step, mb, x, grad))
             except _Stale:
                 pass  # the stage committed meanwhile: nothing is missing any more
             else:
                 if reply.meta.get("duplicate") is True:
                     # The peer already held it: the stage has it, whatever its mates last reported.
-                    # Re-sending again would only be refused again (a run once saw 79 such repeats
-                    # of one step); while this peer answers at the step, it is not re-sent.
+                    # Re-sending again would only be refused again; while this peer answers at the
+                    # step, it is not re-sent.
                     self._held_by[key] = peer.peer_id
                     log.info("stage %d peer %s already holds microbatch %d of step %d", stage, peer.addr,
-                             record.mb.id, step)
+                             done.mb_id, step)
             self._counters.resent += 1
             self._resent_at[key] = asyncio.get_running_loop().time()
 
-    async def _stage_infos(self, stage: int) -> list[dict[str, Any]]:
-        return list((await self._stage_answers(stage)).values())
+    async def _poll_stages(self, stages: list[int]) -> dict[int, dict[bytes, dict[str, Any]]]:
+        """Every given stage's answers, all asked at once, each peer for `stage_info_timeout_s`."""
+        answers = await asyncio.gather(*(self._stage_answers(i, self.config.stage_info_timeout_s) for i in stages))
+        return dict(zip(stages, answers))
 
-    async def _stage_answers(self, stage: int) -> dict[bytes, dict[str, Any]]:
-        """peer id -> `stage.info` meta, for the usable peers of the stage that answered."""
-        peers = await self._usable_peers(stage)
-        results: list[dict[str, Any] | None] = [None] * len(peers)
-
-        async def ask(j: int, peer: StagePeer) -> None:
-            results[j] = await self._info(stage, peer)
-
-        async with asyncio.TaskGroup() as tasks:
-            for j, peer in enumerate(peers):
-                tasks.create_task(ask(j, peer))
+    async def _stage_answers(self, stage: int, timeout: float) -> dict[bytes, dict[str, Any]]:
+        """peer id -> `stage.info` meta, for the stage's unbanned peers that answered in time
+        (benched peers too: a bench is about compute calls, and they may hold the step's work)."""
+        peers = await self._usable_peers(stage, benched_too=True)
+        results = await asyncio.gather(*(self._info(stage, peer, timeout) for peer in peers))
         return {peer.peer_id: r for peer, r in zip(peers, results) if r is not None}
 
-    async def _info(self, stage: int, peer: StagePeer) -> dict[str, Any] | None:
+    async def _info(self, stage: int, peer: StagePeer, timeout: float) -> dict[str, Any] | None:
         message = Message({"job": self.job_id, "stage": stage}, codec="none")
         try:
-            reply = await self.pool.call(peer.addr, "stage.info", message, timeout=self.config.info_timeout_s)
+            reply = await self.pool.call(peer.addr, "stage.info", message, timeout=timeout)
         except DeadlineExceeded:
             return None
         except RemoteError as exc:
@@ -540,44 +635,53 @@ class Trainer:
     async def _swarm_step(self) -> int:
         """Where a joining trainer starts: the step every stage has reached (a stage's step is the
         highest any of its peers committed)."""
-        steps = []
-        for i in range(self.num_stages):
-            infos = await self._stage_infos(i)
+
+        async def stage_step(i: int) -> int:
             rounds = 0
-            while not infos:  # peers announced, none answering yet
-                await asyncio.sleep(self._backoff(rounds))
+            while not (infos := list((await self._stage_answers(i, self.config.stage_info_timeout_s)).values())):
+                await asyncio.sleep(self._backoff(rounds))  # peers announced, none answering yet
                 rounds += 1
-                infos = await self._stage_infos(i)
-            steps.append(max(_int(info.get("step")) for info in infos))
-        return min(steps)
+            return max(progress.as_int(info.get("step")) for info in infos)
+
+        return min(await asyncio.gather(*(stage_step(i) for i in range(self.num_stages))))
 
     # ------------------------------------------------------------------ one call, until it succeeds
 
     async def _call_on(self, stage: int, kind: Kind, method: str, step: int, mb: Microbatch,
                        tensors: list[torch.Tensor], codec: str,
                        check: Callable[[Message], str | None]) -> tuple[Message, StagePeer]:
-        """The call's reply, and which peer gave it."""
+        """The call's reply, and which peer gave it. A backward or forward_backward that timed out
+        is tried once more on the same peer first: if the first attempt did complete there, the
+        peer answers the repeat without adding it twice, where another peer would add it again."""
         samples = len(mb.sample_indices)
         meta = {"job": self.job_id, "stage": stage, "step": step, "mb": mb.id, "samples": samples}
-        timeout = self.config.forward_timeout_s if kind is Kind.FORWARD else self.config.backward_timeout_s
+        ceiling = self.config.forward_timeout_s if kind is Kind.FORWARD else self.config.backward_timeout_s
         wiring = self.wiring[stage]
         attempts = _Attempts()
+        again: bytes | None = None
         loop = asyncio.get_running_loop()
         while True:
-            pick = await self._pick(stage, samples, kind, attempts)
+            pick = wiring.again(again, samples, kind, time.time()) if again is not None else None
+            again = None
+            if pick is None:
+                pick = await self._pick(stage, samples, kind, attempts)
             peer = pick.peer
-            started = loop.time()
             try:
                 parse_address(peer.addr)
             except LocalProtocolError as exc:
                 self._ban(stage, peer, f"unusable address: {exc}")
+                attempts.tried.add(peer.peer_id)
                 continue
+            timeout = wiring.call_timeout(pick, ceiling)
+            started = loop.time()
             try:
                 reply = await self.pool.call(peer.addr, method, Message(meta, tensors, codec), timeout=timeout)
             except DeadlineExceeded:
-                wiring.timed_out(pick, loop.time() - started)
-                log.info("%s to stage %d peer %s timed out after %.1f s: rerouting", method, stage, peer.addr,
-                         loop.time() - started)
+                wiring.timed_out(pick, loop.time() - started, time.time())
+                log.info("%s to stage %d peer %s timed out after %.1f s: %s", method, stage, peer.addr,
+                         loop.time() - started, "rerouting" if kind is Kind.FORWARD else "trying it once more")
+                if kind is not Kind.FORWARD and peer.peer_id not in attempts.tried:
+                    again = peer.peer_id
             except RemoteError as exc:
                 self._on_remote_error(stage, pick, exc, attempts, loop.time() - started, mb)
             except (ConnectionLost, ProtocolError) as exc:
@@ -598,7 +702,7 @@ class Trainer:
         if exc.code in (BUSY, CODE_OVERLOADED):
             self.wiring[stage].busy(pick)
         elif exc.code == CODE_DEADLINE:
-            self.wiring[stage].timed_out(pick, elapsed)
+            self.wiring[stage].timed_out(pick, elapsed, time.time())
         elif exc.code == NOT_READY:
             pass  # it waited for its commit until the deadline; another peer may be further along
         elif exc.code == BAD_INPUT:
@@ -624,20 +728,24 @@ class Trainer:
             if pick is not None:
                 self._set_waiting(("peers", stage), "")
                 return pick
-            banned = len(wiring.banned())
-            self._set_waiting(("peers", stage), f"stage {stage} has no peers" + (f" ({banned} banned)" if banned else ""))
+            self._set_waiting(("peers", stage), f"stage {stage} has no peers" + self._unusable(stage))
             await asyncio.sleep(self._backoff(waited))
             waited += 1
             await self._refresh_stage(stage)
 
-    async def _usable_peers(self, stage: int) -> list[StagePeer]:
+    def _unusable(self, stage: int) -> str:
+        banned, benched = len(self.wiring[stage].banned()), len(self.wiring[stage].benched(time.time()))
+        why = [f"{banned} banned"] * bool(banned) + [f"{benched} benched for timing out"] * bool(benched)
+        return f" ({', '.join(why)})" if why else ""
+
+    async def _usable_peers(self, stage: int, benched_too: bool = False) -> list[StagePeer]:
         waited = 0
         while True:
-            peers = self.wiring[stage].usable(time.time())
+            peers = self.wiring[stage].usable(time.time(), benched_too)
             if peers:
                 self._set_waiting(("peers", stage), "")
                 return peers
-            self._set_waiting(("peers", stage), f"stage {stage} has no peers")
+            self._set_waiting(("peers", stage), f"stage {stage} has no peers" + self._unusable(stage))
             await asyncio.sleep(self._backoff(waited))
             waited += 1
             await self._refresh_stage(stage)
@@ -688,24 +796,6 @@ class Trainer:
     def _emit(self, event: StatusEvent | StepEvent) -> None:
         if self._on_event is not None:
             self._on_event(event)
-
-
-def _int(value: Any, default: int = 0) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _ints(value: Any) -> list[int]:
-    return [v for v in value if isinstance(v, int) and not isinstance(v, bool)] if isinstance(value, list) else []
-
-
-def _step_record(infos: list[dict[str, Any]], step: int) -> tuple[int, int]:
-    """(samples, summed_duplicates) of `step` from the `last_step` record of peers that just committed
-    it: the microbatches summed twice, which are what `samples` exceeds global_samples by."""
-    for info in infos:
-        record = info.get("last_step")
-        if isinstance(record, dict) and _int(record.get("step"), -1) == step:
-            return _int(record.get("samples"), -1), _int(record.get("summed_duplicates"), -1)
-    return -1, -1
 
 
 def _single(group: BaseExceptionGroup) -> BaseException:

@@ -9,11 +9,17 @@ speed) as a bias-corrected EMA of seconds per sample over whole-RPC wall time, s
 network. A peer the trainer has not measured yet enters at the current minimum key: it gets work
 at once and is measured, without jumping ahead of everyone by the whole history.
 
-Faults follow the paper's code: a timeout does not ban (its elapsed time is fed to the EMA as a
-lower bound of the true cost, which inflates the peer's future keys); `busy` charges the peer one
-more request and reroutes; a connection error or a typed failure bans the peer until it
-re-announces (its announcement changes or expires), or, so that a fixed table cannot starve a
-stage for ever, until `max_ban_s` has passed.
+Each call's timeout is derived from the peer's measured rate (`timeout_factor` times the call's
+expected seconds, between a floor and the caller's ceiling; the ceiling for a peer not measured
+yet, or one that just timed out). A timeout does not ban: its elapsed time is fed to the EMA as a
+lower bound of the true cost, but capped at `timeout_penalty` times the current estimate, so one
+long stall cannot make a peer look 75x slower for hundreds of picks (the paper's code feeds the
+whole elapsed time); the estimate recovers with the next replies. A peer that times out
+`bench_after` times in a row is benched (left out of picks) for `bench_initial_s`, doubling with
+each further timeout up to `bench_max_s`; when the bench lifts the next call probes it, and one
+reply clears its record. `busy` charges the peer one more request and reroutes; a connection error
+or a typed failure bans the peer until it re-announces (its announcement changes or expires), or,
+so that a fixed table cannot starve a stage for ever, until `max_ban_s` has passed.
 
 Pure: the caller passes the wall-clock `now` and the measured durations; tests drive it directly.
 """
@@ -49,6 +55,17 @@ class WiringConfig:
     # A ban lifts when the peer re-announces; with a static table it never would, so it also lifts
     # after this long (the peer is then tried again and re-banned if it still fails).
     max_ban_s: float = 60.0
+    # A call's timeout: timeout_factor x its expected seconds at the peer's measured rate, at least
+    # timeout_floor_s (a reply's time varies with the peer's queue and the network; a floor keeps a
+    # fast peer's tiny estimate from timing out on noise), at most the caller's ceiling.
+    timeout_factor: float = 4.0
+    timeout_floor_s: float = 5.0
+    # A timeout is fed to the EMA as at most this many times the current estimate.
+    timeout_penalty: float = 2.0
+    # Consecutive timeouts before a peer is benched, and the bench's first and longest length.
+    bench_after: int = 2
+    bench_initial_s: float = 5.0
+    bench_max_s: float = 300.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -57,6 +74,10 @@ class WiringConfig:
         if self.backward_weight <= 0 or self.default_seconds_per_sample <= 0 or self.max_ban_s < 0:
             raise ValueError("backward_weight and default_seconds_per_sample must be positive, "
                              "max_ban_s must not be negative")
+        if not (self.timeout_factor > 0 and self.timeout_floor_s > 0 and self.timeout_penalty >= 1):
+            raise ValueError("timeout_factor and timeout_floor_s must be positive, timeout_penalty >= 1")
+        if self.bench_after < 1 or not 0 < self.bench_initial_s <= self.bench_max_s:
+            raise ValueError("bench_after must be >= 1 and 0 < bench_initial_s <= bench_max_s")
 
     def weight(self, kind: Kind) -> float:
         """Cost of one sample of `kind` in forward-equivalents."""
@@ -121,6 +142,8 @@ class StageWiring:
         self._heap: list[tuple[float, float, bytes]] = []  # (key, tie-break, peer_id); stale entries skipped
         self._speed: dict[bytes, Throughput] = {}
         self._bans: dict[bytes, _Ban] = {}
+        self._strikes: dict[bytes, int] = {}  # consecutive timeouts
+        self._benched: dict[bytes, float] = {}  # peer id -> until (wall clock)
 
     # ------------------------------------------------------------------ membership
 
@@ -138,6 +161,8 @@ class StageWiring:
             self._set_key(peer_id, entry)
         self._peers = fresh
         self._speed = {pid: s for pid, s in self._speed.items() if pid in fresh}
+        self._strikes = {pid: n for pid, n in self._strikes.items() if pid in fresh}
+        self._benched = {pid: t for pid, t in self._benched.items() if pid in fresh}
 
     def ban(self, peer: StagePeer, now: float, reason: str) -> bool:
         """True when this newly bans the peer (concurrent calls often fail on the same dead peer).
@@ -155,9 +180,21 @@ class StageWiring:
             if now >= ban.until or now >= ban.announcement.expires:
                 del self._bans[peer_id]
 
-    def usable(self, now: float) -> list[StagePeer]:
+    def _lift_expired_benches(self, now: float) -> None:
+        for peer_id in [pid for pid, until in self._benched.items() if now >= until]:
+            del self._benched[peer_id]
+
+    def _excluded(self, now: float) -> set[bytes]:
         self._lift_expired_bans(now)
-        return [p for pid, p in self._peers.items() if pid not in self._bans]
+        self._lift_expired_benches(now)
+        return self._bans.keys() | self._benched.keys()
+
+    def usable(self, now: float, benched_too: bool = False) -> list[StagePeer]:
+        """Announced peers not banned, and (unless `benched_too`) not benched."""
+        excluded = self._excluded(now)
+        if benched_too:
+            excluded = set(self._bans)
+        return [p for pid, p in self._peers.items() if pid not in excluded]
 
     @property
     def peer_count(self) -> int:
@@ -166,20 +203,25 @@ class StageWiring:
     def banned(self) -> dict[bytes, str]:
         return {pid: ban.reason for pid, ban in self._bans.items()}
 
+    def benched(self, now: float) -> dict[bytes, float]:
+        """Peer id -> seconds its bench still lasts."""
+        self._lift_expired_benches(now)
+        return {pid: until - now for pid, until in self._benched.items()}
+
     # ------------------------------------------------------------------ routing
 
     def choose(self, samples: int, kind: Kind, now: float,
                exclude: frozenset[bytes] = frozenset()) -> Pick | None:
         """The usable peer with the smallest expected finish, charged for this request; None when
         no peer is usable (all gone, banned or excluded)."""
-        self._lift_expired_bans(now)
+        excluded = self._excluded(now) | exclude
         skipped = []
         chosen = None
         while self._heap:
             key, tie, peer_id = heapq.heappop(self._heap)
             if self._key.get(peer_id) != key:
                 continue  # stale entry: the peer left or its key moved on
-            if peer_id in self._bans or peer_id in exclude:
+            if peer_id in excluded:
                 skipped.append((key, tie, peer_id))
                 continue
             chosen = peer_id
@@ -191,16 +233,49 @@ class StageWiring:
         self._set_key(chosen, self._key[chosen] + self.expected_seconds(chosen, samples, kind))
         return Pick(self._peers[chosen], kind, samples)
 
+    def again(self, peer_id: bytes, samples: int, kind: Kind, now: float) -> Pick | None:
+        """The same peer once more (a retry of a call that timed out there: if it did complete,
+        the peer answers the repeat without counting it twice), charged like a pick; None when it
+        is gone, banned or benched."""
+        if peer_id not in self._peers or peer_id in self._excluded(now):
+            return None
+        self._set_key(peer_id, self._key[peer_id] + self.expected_seconds(peer_id, samples, kind))
+        return Pick(self._peers[peer_id], kind, samples)
+
     def expected_seconds(self, peer_id: bytes, samples: int, kind: Kind) -> float:
         return samples * self.config.weight(kind) * self._seconds_per_sample(peer_id)
+
+    def call_timeout(self, pick: Pick, ceiling_s: float) -> float:
+        """How long to wait for this call: `timeout_factor` x its expected seconds at the peer's
+        measured rate, within [timeout_floor_s, ceiling_s]; the ceiling while the peer is not
+        measured or has just timed out (its estimate is then not to be trusted)."""
+        peer_id = pick.peer.peer_id
+        speed = self._speed.get(peer_id)
+        if speed is None or not speed.measured or self._strikes.get(peer_id, 0):
+            return ceiling_s
+        wanted = self.config.timeout_factor * self.expected_seconds(peer_id, pick.samples, pick.kind)
+        return min(max(wanted, self.config.timeout_floor_s), ceiling_s)
 
     def completed(self, pick: Pick, elapsed_s: float) -> None:
         """A whole RPC took `elapsed_s` of wall time: that is the peer's measured speed."""
         self._measure(pick, elapsed_s)
+        self._strikes.pop(pick.peer.peer_id, None)
 
-    def timed_out(self, pick: Pick, elapsed_s: float) -> None:
-        """No ban: the elapsed time is a lower bound of the peer's true cost and slows it down."""
+    def timed_out(self, pick: Pick, elapsed_s: float, now: float) -> None:
+        """No ban: the elapsed time is a lower bound of the peer's true cost, fed to its EMA capped
+        at `timeout_penalty` x the estimate; `bench_after` in a row bench it, for longer each time."""
+        peer_id = pick.peer.peer_id
+        if peer_id not in self._peers:
+            return
+        speed = self._speed.get(peer_id)
+        if speed is not None and speed.measured:
+            cap = self.config.timeout_penalty * self.expected_seconds(peer_id, pick.samples, pick.kind)
+            elapsed_s = min(elapsed_s, cap)
         self._measure(pick, elapsed_s)
+        strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+        if strikes >= self.config.bench_after:
+            length = self.config.bench_initial_s * 2 ** min(strikes - self.config.bench_after, 30)
+            self._benched[peer_id] = now + min(length, self.config.bench_max_s)
 
     def busy(self, pick: Pick) -> None:
         """Its queue is full: charge it one more such request so the next picks go elsewhere."""

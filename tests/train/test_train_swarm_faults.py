@@ -255,3 +255,40 @@ async def test_a_stage_that_cannot_commit_is_a_clear_status(tiny_job, swarm, poo
     except asyncio.CancelledError:
         pass
     assert task.cancelled()
+
+
+async def test_one_hung_peer_per_stage_does_not_hold_up_the_commit_watch(tiny_job, swarm, pools, kit):
+    """Steps: 3 stages, each with one real peer and one announced peer that takes compute calls as
+    `busy` and never answers `stage.info` (hung); per-peer info timeout 0.5 s, directory-read timeout
+    60 s. Expected: 2 steps commit well inside 40 s: every stage is asked at once and each hung
+    peer costs one short timeout per poll (the old watch asked stage by stage, waiting out every
+    hung peer: 3 stages x 60 s per poll)."""
+    spec, data = tiny_job(optim="sgd", lr=0.1, stages=3)
+    swarm_ = await swarm(spec, peers_per_stage=1)
+    asked = []
+
+    async def hang(req):
+        asked.append(req.meta.get("stage"))
+        await asyncio.sleep(3600)
+
+    async def busy(req):
+        raise RpcError("busy", "queue full")
+
+    router = Router()
+    router.unary("stage.info", hang)
+    for method in ("stage.forward", "stage.backward", "stage.forward_backward"):
+        router.unary(method, busy)
+    server = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.address[1]}"
+    for stage in range(3):
+        swarm_.directory.set(kit.JOB_ID, stage, [*await swarm_.directory.peers(kit.JOB_ID, stage),
+                                                 StagePeer(bytes([0xEE, stage]) * 16, addr, stage)])
+    config = dataclasses.replace(kit.TRAINER_CONFIG, info_timeout_s=60.0, stage_info_timeout_s=0.5)
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=config)
+    try:
+        events = await asyncio.wait_for(trainer.run(0, 2), 40)
+    finally:
+        await server.close()
+    assert [e.step for e in events] == [0, 1] and {0, 1, 2} <= set(asked)
+    G = spec.batch.global_samples
+    assert all(e.stage_samples == (G, G, G) for e in events)

@@ -118,12 +118,71 @@ def test_a_timeout_does_not_ban_but_slows_the_peer_down():
     measure(stage, "a", samples_per_s=100)
     measure(stage, "b", samples_per_s=100)
     pick = stage.choose(10, Kind.FORWARD, NOW)
-    stage.timed_out(pick, 30.0)
+    stage.timed_out(pick, 30.0, NOW)
     assert {p.peer_id for p in stage.usable(NOW)} == {b"a", b"b"}
-    assert stage.samples_per_s(pick.peer.peer_id) < 10  # the 30 s lower bound entered the EMA
+    assert stage.samples_per_s(pick.peer.peer_id) < 100  # a lower bound of its cost entered the EMA
     other = ({b"a", b"b"} - {pick.peer.peer_id}).pop()
     picks = collections.Counter(stage.choose(10, Kind.FORWARD, NOW).peer.peer_id for _ in range(20))
     assert picks[other] > picks[pick.peer.peer_id]
+
+
+def test_one_long_stall_costs_a_bounded_penalty_and_the_estimate_recovers():
+    """The paper's code feeds a 75 s stall of a 0.1 s call whole into the EMA: the peer looks ~75x
+    slower for hundreds of picks. Here it is fed as at most timeout_penalty (2) x the estimate."""
+    stage = stage_of("a")
+    measure(stage, "a", samples_per_s=100, times=20)
+    pick = stage.choose(10, Kind.FORWARD, NOW)
+    stage.timed_out(pick, 75.0, NOW)
+    after = stage.samples_per_s(b"a")
+    print(f"samples/s after a 75 s stall: {after:.1f} (was 100)")
+    assert 100 / 1.2 < after < 100
+    for _ in range(20):
+        stage.completed(stage.choose(10, Kind.FORWARD, NOW), 0.1)
+    assert stage.samples_per_s(b"a") == pytest.approx(100, rel=0.02)
+
+
+def test_call_timeouts_follow_the_measured_rate_within_floor_and_ceiling():
+    config = WiringConfig(seed=1, timeout_factor=4.0, timeout_floor_s=2.0)
+    stage = stage_of("a", config)
+    pick = stage.choose(10, Kind.FORWARD, NOW)
+    assert stage.call_timeout(pick, 30.0) == 30.0  # not measured yet: the ceiling
+    measure(stage, "a", samples_per_s=1)  # 10 s per 10-sample forward
+    assert stage.call_timeout(stage.choose(10, Kind.FORWARD, NOW), 30.0) == 30.0  # 40 s capped
+    assert stage.call_timeout(stage.choose(1, Kind.FORWARD, NOW), 30.0) == pytest.approx(4.0)
+    assert stage.call_timeout(stage.choose(1, Kind.BACKWARD, NOW), 30.0) == pytest.approx(4.0 * 2.5)
+    stage = stage_of("a", config)
+    measure(stage, "a", samples_per_s=1000)
+    assert stage.call_timeout(stage.choose(10, Kind.FORWARD, NOW), 30.0) == 2.0  # the floor
+    stage.timed_out(stage.choose(10, Kind.FORWARD, NOW), 2.0, NOW)
+    assert stage.call_timeout(stage.choose(10, Kind.FORWARD, NOW), 30.0) == 30.0  # just timed out: the ceiling
+    stage.completed(stage.choose(10, Kind.FORWARD, NOW), 0.01)
+    assert stage.call_timeout(stage.choose(10, Kind.FORWARD, NOW), 30.0) == 2.0
+
+
+def test_a_peer_timing_out_again_and_again_is_benched_for_a_growing_while():
+    config = WiringConfig(seed=1, bench_after=2, bench_initial_s=5.0, bench_max_s=40.0)
+    stage = stage_of("ab", config)
+    measure(stage, "a", samples_per_s=100)
+    measure(stage, "b", samples_per_s=100)
+    a = peer("a")
+    now = NOW
+    stage.timed_out(stage.again(b"a", 10, Kind.FORWARD, now), 1.0, now)
+    assert {p.peer_id for p in stage.usable(now)} == {b"a", b"b"}  # one timeout: no bench
+    lengths = []
+    for _ in range(5):
+        stage.timed_out(stage.again(b"a", 10, Kind.FORWARD, now), 1.0, now)
+        left = stage.benched(now)[b"a"]
+        lengths.append(left)
+        assert [p.peer_id for p in stage.usable(now)] == [b"b"]
+        assert stage.again(b"a", 10, Kind.FORWARD, now) is None
+        assert {stage.choose(10, Kind.FORWARD, now).peer.peer_id for _ in range(5)} == {b"b"}
+        assert [p.peer_id for p in stage.usable(now, benched_too=True)] == [b"a", b"b"]
+        now += left  # the bench lifts: the next call probes it
+        assert stage.again(b"a", 10, Kind.FORWARD, now).peer == a
+    assert lengths == [5.0, 10.0, 20.0, 40.0, 40.0]
+    stage.completed(stage.again(b"a", 10, Kind.FORWARD, now), 0.1)  # one reply clears its record
+    stage.timed_out(stage.again(b"a", 10, Kind.FORWARD, now), 1.0, now)
+    assert stage.benched(now) == {}
 
 
 def test_busy_charges_one_more_request():
@@ -200,4 +259,8 @@ def test_config_is_checked():
         WiringConfig(ema_alpha=0)
     with pytest.raises(ValueError):
         WiringConfig(backward_weight=-1)
+    with pytest.raises(ValueError):
+        WiringConfig(timeout_penalty=0.5)
+    with pytest.raises(ValueError):
+        WiringConfig(bench_initial_s=10, bench_max_s=5)
     assert math.isinf(Throughput(0.1).samples_per_s)
