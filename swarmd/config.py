@@ -516,6 +516,42 @@ class RebalanceSection:
 
 
 @dataclass(frozen=True)
+class TrainerSection:
+    """How this daemon's trainers time their calls and take over a dead trainer's share
+    (docs/trainer.md). A call's timeout follows the peer's measured rate between a floor and the
+    ceilings below, so a slow link or a big stage can be given room without slowing failover."""
+
+    forward_timeout_s: float = setting(
+        30.0, _float_kind(0.1), "ceiling of a forward call's timeout (a peer not measured yet, or one that just timed out)",
+    )
+    backward_timeout_s: float = setting(
+        75.0, _float_kind(0.1), "ceiling of a backward (and forward_backward) call's timeout: ~2.5 forwards of work",
+    )
+    timeout_floor_s: float = setting(
+        5.0, _float_kind(0.01), "no call times out sooner, however fast the peer measured: queues and links vary",
+    )
+    timeout_factor: float = setting(
+        4.0, _float_kind(1.0), "a call's timeout is this many times its expected time at the peer's measured rate",
+    )
+    takeover_min_s: float = setting(
+        20.0, _float_kind(0.0),
+        "another trainer's microbatch is taken over only after it looked undone this long (trainers of one "
+        "job start seconds apart; taking a live trainer's share is wasted work)",
+    )
+
+    def trainer_config(self) -> Any:
+        """The `swarmd.train.TrainerConfig` these settings make (imported here: torch loads with it)."""
+        from swarmd.train.assignment import TakeoverPolicy
+        from swarmd.train.trainer import TrainerConfig
+        from swarmd.train.wiring import WiringConfig
+
+        return TrainerConfig(forward_timeout_s=self.forward_timeout_s, backward_timeout_s=self.backward_timeout_s,
+                             takeover=TakeoverPolicy(min_s=self.takeover_min_s),
+                             wiring=WiringConfig(timeout_floor_s=self.timeout_floor_s,
+                                                 timeout_factor=self.timeout_factor))
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a daemon needs, passed down as one object."""
 
@@ -527,6 +563,7 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     jobs: JobsSection = field(default_factory=JobsSection)
     rebalance: RebalanceSection = field(default_factory=RebalanceSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
     #: The DHT's own settings (swarmd.dht.config.DHTConfig, explained in docs/dht.md): its fields
     #: are taken as they are, their kinds read off their defaults, so a new DHT limit is
     #: configurable here without being declared twice.

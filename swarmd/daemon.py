@@ -255,7 +255,8 @@ class Daemon:
                                max_stages=cfg.jobs.max_stages, max_stage_memory=cfg.jobs.max_stage_memory,
                                supervisor=Supervisor("stages", self.faults))
         closers.append(("served stages", self.serving.close))
-        self.training = Training(self.pool, directory, supervisor=Supervisor("trainers", self.faults))
+        self.training = Training(self.pool, directory, cfg.trainer.trainer_config(),
+                                 supervisor=Supervisor("trainers", self.faults))
         closers.append(("trainers", self.training.close))
         # Stopped before the stages close, so a drain is not remembered as "serves nothing".
         self.joining = Joining(self.job_registry, self.serving, RememberedStages(cfg.daemon.state_dir),

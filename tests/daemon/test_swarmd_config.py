@@ -187,3 +187,12 @@ def test_dht_settings_are_configurable_with_their_own_kinds(tmp_path: Path) -> N
     done = run_swarmd("--config", str(cfg), "--check-config")
     assert done.returncode == EXIT_CONFIG and "dht.k" in done.stderr and len(done.stderr.splitlines()) == 1
 
+
+
+def test_trainer_settings_make_the_daemons_trainer_config() -> None:
+    """[trainer] reaches the TrainerConfig a daemon's trainers run with: ceilings, the floor and
+    factor of the rate-derived timeout, and the takeover bound."""
+    got = load([], {"SWARMD_TRAINER_TIMEOUT_FLOOR_S": "2", "SWARMD_TRAINER_BACKWARD_TIMEOUT_S": "200",
+                    "SWARMD_TRAINER_TAKEOVER_MIN_S": "7"}).trainer.trainer_config()
+    assert (got.backward_timeout_s, got.forward_timeout_s) == (200.0, 30.0)
+    assert (got.wiring.timeout_floor_s, got.wiring.timeout_factor, got.takeover.min_s) == (2.0, 4.0, 7.0)
