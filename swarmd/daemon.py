@@ -232,7 +232,7 @@ class Daemon:
 
         # 2. DHT node
         network = RpcNetwork(router, self.pool, str(self.announce), cfg.dht)
-        self.dht = DHTNode(self.identity, network, cfg.dht)
+        self.dht = DHTNode(self.identity, network, cfg.dht, supervisor=Supervisor("dht", self.faults))
         await self.dht.start()
         closers.append(("DHT node", self.dht.stop))
         self.metrics.dht_contacts.set_function(lambda: len(self.dht.contacts()))

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from swarmd.clock import Clock, RealClock
+from swarmd.supervisor import Supervisor
 from transport.identity import Identity
 
 from . import protocol as P
@@ -55,8 +56,13 @@ class Announcement:
 
 class DHTNode:
     def __init__(self, identity: Identity, network: Network, config: DHTConfig = DHTConfig(),
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, supervisor: Supervisor | None = None) -> None:
         self.identity = identity
+        # The maintenance loops (prune, announce, refresh, hand-off) run as one task group: one that
+        # dies of a bug takes the others with it. Under a supervisor the group is restarted with
+        # backoff and the failure shown in `swarmctl status`; without one (simulations) the failure
+        # is logged with its traceback when the task ends.
+        self.supervisor = supervisor
         self.peer_id = identity.peer_id
         self.network = network
         self.config = config
@@ -85,7 +91,16 @@ class DHTNode:
 
     async def start(self) -> None:
         await self.network.start(self._handle)
-        self._main = asyncio.create_task(self._run(), name=f"dht-{self.peer_id.hex()[:8]}")
+        name = f"dht-{self.peer_id.hex()[:8]}"
+        if self.supervisor is not None:
+            self._main = asyncio.create_task(self.supervisor.run(f"{name} maintenance", self._run), name=name)
+        else:
+            self._main = asyncio.create_task(self._run(), name=name)
+        self._main.add_done_callback(self._main_ended)
+
+    def _main_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("DHT maintenance of %s stopped", self.peer_id.hex()[:8], exc_info=task.exception())
 
     async def stop(self) -> None:
         """Cancel every background task, then stop serving."""

@@ -227,3 +227,36 @@ def test_quiet_buckets_get_refreshed():
         await swarm.stop()
 
     run(main)
+
+
+def test_a_maintenance_loop_that_dies_is_restarted_and_shown():
+    """1. A node under a Supervisor whose prune loop raises a bug once (a TaskGroup: the other
+          maintenance loops are cancelled with it).
+       2. The failure is recorded on the supervisor's board with its task name, and the loops run
+          again after the backoff: the prune loop is entered a second time and announcements go on."""
+    from swarmd.supervisor import Backoff, Faults, Supervisor
+
+    async def main(clock):
+        cfg = DHTConfig(prune_interval=1.0)
+        fabric = InMemoryFabric(seed=3)
+        ident = Identity.from_seed(b"maint")
+        faults = Faults()
+        node = DHTNode(ident, fabric.endpoint(ident, sim_address(1)), cfg, clock,
+                       supervisor=Supervisor("dht", faults, Backoff(initial_s=0.5, max_s=1.0)))
+        entered = []
+        honest_prune = node._prune_loop
+
+        async def prune_once_broken():
+            entered.append(clock.monotonic())
+            if len(entered) == 1:
+                raise KeyError("a bug in a maintenance loop")
+            await honest_prune()
+
+        node._prune_loop = prune_once_broken
+        await node.start()
+        while len(entered) < 2:
+            await asyncio.sleep(0.25)
+        assert faults.total == 1 and "maintenance" in faults.status()["tasks"][0]["task"]
+        await node.stop()
+
+    run(main)
