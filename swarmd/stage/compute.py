@@ -76,6 +76,9 @@ class Work:
     started: bool = False  # set on the loop when a worker takes it
     added: bool = False  # set in the compute thread once its gradient is in the accumulator
     abandoned: bool = False  # its caller left: a worker that has not taken it yet skips it
+    # Its caller's deadline (loop time): past it the caller is gone even if its cancel has not
+    # reached us yet, so a worker that has not taken it skips it too.
+    deadline: float | None = None
     replay: bool = False  # a call for the step just committed: computed on its parameters, adds nothing
     # The parameter version (commits behind them) its caller asks for: the one its forward ran on,
     # so a backward's recompute sees the same parameters (honoured while this peer still has them).

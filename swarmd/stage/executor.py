@@ -124,6 +124,7 @@ class Executor:
 def _given_up(work: Work) -> bool:
     """Was the work's caller gone before compute began? Its future is then settled here (cancelled),
     which is what releases its claim (the service's settle callback), whoever was waiting."""
-    if work.abandoned and not work.future.done():
+    past = work.deadline is not None and asyncio.get_running_loop().time() >= work.deadline
+    if (work.abandoned or past) and not work.future.done():
         work.future.cancel()
     return work.future.done()

@@ -348,7 +348,7 @@ class StageService:
         # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
         work = Work(kind, step, mb, x, other, admission == Admission.ACCUMULATE, loop.create_future(),
-                    epoch=self._state_epoch, solo=solo, replay=replay, version=version)
+                    epoch=self._state_epoch, solo=solo, replay=replay, version=version, deadline=req.deadline)
         # Whatever becomes of the call (answered, failed, refused, its caller gone), its claim is
         # released once its compute is over unless the gradient went in (I3: no claim leak).
         epoch = self.core.epoch
