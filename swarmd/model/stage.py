@@ -11,8 +11,10 @@ from __future__ import annotations
 import abc
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -79,3 +81,33 @@ def derive_seed(job_seed: int, stage_index: int, purpose: str) -> int:
 def init_generator(job_seed: int, stage_index: int) -> torch.Generator:
     """The CPU generator a stage draws its initial parameters from (CPU so CUDA peers agree too)."""
     return torch.Generator(device="cpu").manual_seed(derive_seed(job_seed, stage_index, "init"))
+
+
+class LanguageModelStage(Stage):
+    """A token language model's stage: token ids in at the first, d_model-wide activations between
+    stages, per-sample mean cross-entropy at the last. Subclasses give `logits(x)` and `config.d_model`."""
+
+    config: Any
+
+    @abc.abstractmethod
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, vocab) from this (last) stage's input."""
+
+    def sample_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each sample's mean token cross-entropy, (B,): an executor that batched several
+        microbatches together splits this to answer each one."""
+        logits = self.logits(x).float()  # (B, T, vocab)
+        B, T, V = logits.shape
+        token_losses = F.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T), reduction="none")
+        return token_losses.view(B, T).mean(dim=1)  # (B,)
+
+    def input_spec(self, microbatch_samples: int, seq_len: int) -> TensorSpec:
+        if self.is_first:
+            return TensorSpec((microbatch_samples, seq_len), torch.int64)
+        return TensorSpec((microbatch_samples, seq_len, self.config.d_model), torch.float32)
+
+    def output_spec(self, microbatch_samples: int, seq_len: int) -> TensorSpec:
+        if self.is_last:
+            return TensorSpec((), torch.float32)
+        return TensorSpec((microbatch_samples, seq_len, self.config.d_model), torch.float32)
+

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmd.model.config import ConfigError, parse_table
-from swarmd.model.stage import Stage, TensorSpec, init_generator
+from swarmd.model.stage import LanguageModelStage, init_generator
 
 INIT_STD = 0.02  # GPT-2's initialiser; residual projections are further scaled by 1/sqrt(2 * depth)
 
@@ -103,7 +103,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_mlp(x))  # (B, T, C)
 
 
-class TransformerStage(Stage):
+class TransformerStage(LanguageModelStage):
     def __init__(self, config: TransformerConfig, stage_index: int, num_stages: int) -> None:
         super().__init__(stage_index, num_stages)
         self.config = config
@@ -136,24 +136,6 @@ class TransformerStage(Stage):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, vocab): for sampling from a whole model, never sent over the network."""
         return self.head(self.norm(self.hidden(x)))
-
-    def sample_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Each sample's mean token cross-entropy, (B,): an executor that batched several
-        microbatches together splits this to answer each one."""
-        logits = self.logits(x).float()  # (B, T, vocab)
-        B, T, V = logits.shape
-        token_losses = F.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T), reduction="none")
-        return token_losses.view(B, T).mean(dim=1)  # (B,)
-
-    def input_spec(self, microbatch_samples: int, seq_len: int) -> TensorSpec:
-        if self.is_first:
-            return TensorSpec((microbatch_samples, seq_len), torch.int64)
-        return TensorSpec((microbatch_samples, seq_len, self.config.d_model), torch.float32)
-
-    def output_spec(self, microbatch_samples: int, seq_len: int) -> TensorSpec:
-        if self.is_last:
-            return TensorSpec((), torch.float32)
-        return TensorSpec((microbatch_samples, seq_len, self.config.d_model), torch.float32)
 
 
 def build_transformer_stage(config: TransformerConfig, stage_index: int, num_stages: int, seed: int,
