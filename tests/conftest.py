@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         _running = None
+
+
+@pytest.fixture(autouse=True)
+def _tracemalloc_left_off() -> object:
+    """A test that leaves tracemalloc tracing slows every later test several-fold and makes every later
+    allocation bound measure the whole session's peak (a fuzz oracle once did both): stop it, and fail."""
+    tracing_before = tracemalloc.is_tracing()
+    yield
+    if tracemalloc.is_tracing() and not tracing_before:
+        tracemalloc.stop()
+        pytest.fail("the test left tracemalloc tracing; stop what you start")

@@ -110,8 +110,18 @@ def check(target: Target, data: bytes, watchdog: bool = True) -> tuple[Finding |
     """Run one input; returns (the failure or None, seconds taken, tracemalloc peak in bytes).
 
     `watchdog=False` under libFuzzer, whose own `-timeout` owns SIGALRM there."""
-    if not tracemalloc.is_tracing():
+    # Tracing left on would slow every later test and swell every later tracemalloc peak: stop what we start.
+    started_tracing = not tracemalloc.is_tracing()
+    if started_tracing:
         tracemalloc.start()
+    try:
+        return _check_traced(target, data, watchdog)
+    finally:
+        if started_tracing:
+            tracemalloc.stop()
+
+
+def _check_traced(target: Target, data: bytes, watchdog: bool) -> tuple[Finding | None, float, int]:
     bound = target.alloc_bound(len(data))
     tracemalloc.clear_traces()
     base = tracemalloc.get_traced_memory()[0]

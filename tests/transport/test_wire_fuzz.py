@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import gc
+import os
 import tracemalloc
 
 import pytest
@@ -44,6 +44,8 @@ def _feed_checked(data: bytes, step: int) -> None:
     # there and be counted as the decoder's.
     gc.collect()
     gc.disable()
+    # A tracer someone else left on would make start() a no-op and its old peak ours.
+    assert not tracemalloc.is_tracing(), "tracemalloc already tracing: an earlier test left it on"
     tracemalloc.start()
     try:
         for i in range(0, len(data), step):
