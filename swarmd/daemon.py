@@ -241,19 +241,20 @@ class Daemon:
         self.metrics.dht_refused_records = self.dht.refused_records
         # Jobs publish through the DHT, so their announcements are withdrawn before the node stops.
         values = DHTValues(self.dht)  # every DHT value read by the jobs parts is decoded and checked here
+        prober = Prober(self.pool, self.identity.peer_id)  # one cache of answered probes for joins and moves
         self.job_registry = JobRegistry(
             self.dht, self.identity, accept_from=cfg.jobs.accept_jobs_from,
             glob_limits=GlobLimits(max_files=cfg.jobs.data_max_files, max_entries=cfg.jobs.data_max_entries),
             index_limits=IndexLimits(cfg.jobs.max_jobs_per_submitter, cfg.jobs.index_lookups_per_refresh,
                                      cfg.jobs.index_miss_ttl_s, cfg.jobs.index_forget_after_s),
-            values=values, prober=Prober(self.pool, self.identity.peer_id))
+            values=values, prober=prober)
         closers.append(("job announcements", self.job_registry.withdraw))
         directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s, values)
         self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,
                                address=str(self.announce), device=self.device, state_dir=cfg.daemon.state_dir,
                                limits=StageLimits(torch_threads=cfg.jobs.torch_threads),
                                max_stages=cfg.jobs.max_stages, max_stage_memory=cfg.jobs.max_stage_memory,
-                               supervisor=Supervisor("stages", self.faults))
+                               supervisor=Supervisor("stages", self.faults), prober=prober)
         closers.append(("served stages", self.serving.close))
         self.training = Training(self.pool, directory, cfg.trainer.trainer_config(),
                                  supervisor=Supervisor("trainers", self.faults))

@@ -13,10 +13,12 @@ it had already joined is let finish (it commits the step with its gradients in i
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 from swarmd.directory import StageDirectory, StagePeer
+from swarmd.jobs.probing import Prober
 
 DRAINING = "draining"
 JOINING = "joining"
@@ -53,7 +55,16 @@ class MoveRecord:
     at: float = field(default_factory=time.time)
 
 
-async def serving_peers(directory: StageDirectory, job_id: bytes, stage: int, me: bytes) -> list[StagePeer]:
-    """Other peers announcing `stage` as serving, from the DHT's membership."""
-    return [p for p in await directory.peers(job_id, stage) if p.peer_id != me and p.state == SERVING]
+async def serving_peers(directory: StageDirectory, job_id: bytes, stage: int, me: bytes,
+                        prober: Prober | None = None) -> list[StagePeer]:
+    """Other peers announcing `stage` as serving, from the DHT's membership; with a `prober`, only
+    those that answered a call as themselves and said they serve it.
+
+    Why probe: an announcement is a claim anyone can store. Counting one that points at nothing as
+    the peer that "stays" would let a stranger move a stage's only real peer away."""
+    announced = [p for p in await directory.peers(job_id, stage) if p.peer_id != me and p.state == SERVING]
+    if prober is None:
+        return announced
+    probes = await asyncio.gather(*(prober.check(job_id, p) for p in announced))
+    return [p for p, probe in zip(announced, probes) if probe.serving]
 

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from swarmd.directory import StagePeer
 from swarmd.values import StageAnnouncement
 from transport.errors import RemoteError, TransportError
 from transport.message import Message
@@ -67,7 +68,7 @@ class Prober:
         probes = await asyncio.gather(*(self.check(job_id, a) for a in found))
         return {(a.peer_id, a.stage): p for a, p in zip(found, probes)}
 
-    async def check(self, job_id: bytes, announced: StageAnnouncement) -> Probe:
+    async def check(self, job_id: bytes, announced: StageAnnouncement | StagePeer) -> Probe:
         if announced.peer_id == self.me:
             return Probe(True, announced.state == "serving")
         key = (job_id, announced.stage, announced.peer_id, announced.addr)
@@ -83,7 +84,7 @@ class Prober:
             self._known.popitem(last=False)
         return probe
 
-    async def _call(self, job_id: bytes, announced: StageAnnouncement) -> Probe:
+    async def _call(self, job_id: bytes, announced: StageAnnouncement | StagePeer) -> Probe:
         self.probes_sent += 1
         request = Message({"job": job_id, "stage": announced.stage}, codec="none")
         try:

@@ -27,6 +27,7 @@ from swarmd.dht.errors import DHTError
 from swarmd.job.budget import check_stage_fits, default_stage_memory
 from swarmd.jobs.directory import announcement_value, stage_key
 from swarmd.jobs.moving import JOINING, MOVES_KEPT, MoveRecord, Moving, serving_peers
+from swarmd.jobs.probing import Prober
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.limits import StageLimits
@@ -47,8 +48,9 @@ class Served:
 class Serving:
     def __init__(self, dht: Any, router: Any, pool: Any, directory: Any, *, peer_id: bytes, address: str,
                  device: str, state_dir: Path, limits: StageLimits, max_stages: int, max_stage_memory: int = 0,
-                 supervisor: Supervisor | None = None) -> None:
+                 supervisor: Supervisor | None = None, prober: Prober | None = None) -> None:
         self.supervisor = supervisor or Supervisor("stages")
+        self.prober = prober  # the daemon's: a move leaves a stage only to peers that answered
         self.dht, self.router, self.pool, self.directory = dht, router, pool, directory
         self.peer_id, self.address, self.device = peer_id, address, device
         self.state_dir, self.limits, self.max_stages = state_dir, limits, max_stages
@@ -104,12 +106,12 @@ class Serving:
         if (job_id, to_stage) in self.served or job_id in self.moving:
             raise MoveFailed(f"already serving stage {to_stage}, or already moving, in job {job_id.hex()[:16]}")
         try:
-            stays = await serving_peers(self.directory, job_id, from_stage, self.peer_id)
-            mates = await serving_peers(self.directory, job_id, to_stage, self.peer_id)
+            stays = await serving_peers(self.directory, job_id, from_stage, self.peer_id, self.prober)
+            mates = await serving_peers(self.directory, job_id, to_stage, self.peer_id, self.prober)
         except (DHTError, TransportError, OSError) as exc:
             raise MoveFailed(f"the stage directory did not answer: {exc}") from exc
         if not stays:
-            raise MoveFailed(f"this peer is the only one serving stage {from_stage}: moving would empty it")
+            raise MoveFailed(f"no other peer of stage {from_stage} answered as serving it: moving would empty it")
         if not mates:
             raise MoveFailed(f"no live peer serves stage {to_stage} to download its state from")
         moving = self.moving[job_id] = Moving(from_stage, to_stage, old.service.executor.samples_per_s)

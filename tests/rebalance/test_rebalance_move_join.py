@@ -16,6 +16,7 @@ import pytest
 import swarmd.jobs.serving as serving_module
 from swarmd.job.spec import JobSpec
 from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.jobs.probing import UNANSWERED, Probe
 from swarmd.jobs.serving import Served, Serving
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage.limits import StageLimits
@@ -118,3 +119,34 @@ async def test_a_join_during_a_move_waits_and_finds_the_moved_in_stage(serving) 
     assert record.target == 2 and not record.error
     assert serving.served[(JOB, 2)].service is joined and (JOB, 0) not in serving.served
     assert built_for(2) == 1
+
+
+class AnsweringProber:
+    """The daemon's prober as far as a move sees it: which announced peers answered as serving (how a
+    probe is made is tested in tests/jobs/test_jobs_probing*.py)."""
+
+    def __init__(self, serving: set[bytes]) -> None:
+        self.serving, self.asked = serving, []
+
+    async def check(self, job_id, announced) -> Probe:
+        self.asked.append(announced.peer_id)
+        return Probe(True, True) if announced.peer_id in self.serving else UNANSWERED
+
+
+async def test_a_move_does_not_leave_a_stage_to_a_peer_that_only_announced_itself(serving) -> None:
+    """A stranger's stage-0 announcement pointing at nothing is not a peer that stays: the stage's only
+    real peer keeps serving it (adversary R10)."""
+    serving.prober = AnsweringProber({b"y" * 32})  # the stage-2 mate answers, the stage-0 "mate" does not
+    old = serving.served[(JOB, 0)].service
+    with pytest.raises(MoveFailed, match="no other peer of stage 0 answered"):
+        await serving.move(JOB, 0, 2)
+    assert old.state == "serving" and serving.served[(JOB, 0)].service is old and built_for(2) == 0
+    assert serving.prober.asked == [b"x" * 32, b"y" * 32]
+
+
+async def test_a_move_leaves_when_a_peer_that_answered_stays(serving) -> None:
+    serving.prober = AnsweringProber({b"x" * 32, b"y" * 32})
+    GatedService.gates[2] = asyncio.Event()
+    GatedService.gates[2].set()
+    record = await serving.move(JOB, 0, 2, drain_timeout_s=2.0)
+    assert record.target == 2 and not record.error and (JOB, 0) not in serving.served

@@ -80,7 +80,7 @@ def peer(name: bytes, stage: int, state: str = "serving") -> StagePeer:
     ({}, (1, 2), "not serving stage 1"),
     ({}, (0, 3), "3-stage pipeline"),
     ({}, (0, 0), "3-stage pipeline"),
-    ({0: [peer(b"x", 0, "draining")], 2: [peer(b"y", 2)]}, (0, 2), "only one serving stage 0"),
+    ({0: [peer(b"x", 0, "draining")], 2: [peer(b"y", 2)]}, (0, 2), "no other peer of stage 0 answered"),
     ({0: [peer(b"x", 0)], 2: [peer(b"y", 2, "joining")]}, (0, 2), "no live peer serves stage 2"),
 ])
 async def test_a_refused_move_changes_nothing(table, move, why) -> None:
