@@ -8,6 +8,9 @@ on it ("catch-up poisoning" and its relatives), and a stranger that takes the wa
   peer's `stage.info` step is believed over its mates': the trainer counts the stage committed and
   stops re-sending; one answer from another stage is the only evidence a lone stage peer needs to
   jump ahead, losing every step between (a stranger sends the call for the far step itself).
+- R7 (race, swarmd/train/progress.py `uncovered_everywhere`): what is uncovered is the intersection
+  of every answering peer's report, so one peer answering `uncovered: []` hides every lost
+  microbatch from the re-sends and the takeover.
 - R4 (race, swarmd/stage/service.py): `stage.wait_commit` takes the same `max_waiting` slots as
   the trainers' calls parked for the next step, and anyone may call it: 16 calls from a stranger and
   every trainer's next-step call is refused `busy`.
@@ -30,6 +33,7 @@ from transport.rpc import Message, Router, RpcConfig, RpcServer
 
 R2 = "adversary R2 in /work/coord/requests.md: a lone mate's higher step must be confirmed before download (race)"
 R3 = "adversary R3 in /work/coord/requests.md: one peer's step claim is not the stage's (race)"
+R7 = "adversary R7 in /work/coord/requests.md: one peer's empty `uncovered` hides every lost microbatch (race)"
 R4 = "adversary R4 in /work/coord/requests.md: wait_commit must not take the trainers' waiting slots (race)"
 
 D0 = initial_digest(5, 1)
@@ -63,6 +67,18 @@ def test_one_peer_far_ahead_does_not_make_a_stage_committed():
     honest = {"step": 3, "state": "serving", "uncovered": [12, 13], "missing": []}
     liar = {"step": 1_000_000, "state": "serving", "last_step": {"step": 3, "samples": 8, "summed_duplicates": 0}}
     assert progress.committed([honest, liar], 3) == []
+
+
+@pytest.mark.xfail(strict=True, reason=R7)
+def test_one_peer_reporting_nothing_uncovered_does_not_hide_lost_microbatches():
+    """Two honest peers of a stage at step 3 both report microbatches 12 and 13 uncovered (their
+    holder died before a mate saw them: only `uncovered` shows them); a third peer answers at step
+    3 with `uncovered: []`. Expected: 12 and 13 are still uncovered for the trainer (re-sent or
+    taken over; a copy a peer does hold is summed once anyway, I1); on main the intersection over
+    every answer makes them vanish, so nothing is ever re-sent and the step never commits."""
+    honest = {"step": 3, "state": "serving", "uncovered": [12, 13], "missing": []}
+    liar = {"step": 3, "state": "serving", "uncovered": [], "missing": []}
+    assert progress.uncovered_everywhere([honest, dict(honest), liar], 3, set(range(12, 16))) == {12, 13}
 
 
 @pytest.fixture
