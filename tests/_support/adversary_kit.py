@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import sysconfig
 from dataclasses import dataclass
 
 import torch
 
 from swarmd.directory import StagePeer, StaticDirectory
-from swarmd.job import parse_toml
+from swarmd.job import load_spec, open_training_data, parse_toml
 from swarmd.stage import StageLimits, StageService
 from transport.identity import Identity
 from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
@@ -60,6 +61,49 @@ delayed_updates = false
 
 FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=3.0, max_wait_s=5.0,
                    resume_after_s=1.0)
+
+
+TRAIN_SPEC = """
+name = "adversary-train"
+seed = 7
+steps = 8
+
+[model]
+arch = "transformer-lm"
+d_model = 32
+n_heads = 4
+layers_per_stage = 1
+
+[data]
+files = ["{stdlib}/json/*.py"]
+seq_len = 16
+
+[batch]
+global_samples = 8
+microbatch_samples = 4
+
+[optim]
+name = "sgd"
+lr = 0.2
+schedule = "constant"
+
+[wire]
+activations = "none"
+gradients = "none"
+
+[pipeline]
+stages = 2
+microbatches_in_flight = 2
+"""
+
+
+def training_job(where):
+    """The two-stage job a trainer can run (its data: the stdlib's json package), and its data."""
+    job_path = where / "job.toml"
+    job_path.write_text(TRAIN_SPEC.format(stdlib=sysconfig.get_paths()["stdlib"]))
+    job_spec = load_spec(job_path)
+    return job_spec, open_training_data(job_spec.data, job_spec.batch, job_spec.model.config.vocab, job_spec.seed,
+                                        where)
 
 
 def spec():

@@ -12,14 +12,12 @@ routing never benches it, adds a timeout or two to every step. Requested of race
 from __future__ import annotations
 
 import asyncio
-import sysconfig
 
 import pytest
 import torch
-from adversary_kit import JOB, start_peer
+from adversary_kit import JOB, start_peer, training_job
 
 from swarmd.directory import StagePeer, StaticDirectory
-from swarmd.job import load_spec, open_training_data
 from swarmd.stage import StageLimits
 from swarmd.train.trainer import Trainer, TrainerConfig
 from swarmd.train.wiring import WiringConfig
@@ -30,39 +28,6 @@ from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
 torch.set_num_threads(1)
 
 R5 = "adversary R5 in /work/coord/requests.md: the commit watch waits out a hung peer at every poll (race)"
-
-SPEC = """
-name = "hung-info"
-seed = 7
-steps = 8
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["{stdlib}/json/*.py"]
-seq_len = 16
-
-[batch]
-global_samples = 8
-microbatch_samples = 4
-
-[optim]
-name = "sgd"
-lr = 0.2
-schedule = "constant"
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = 2
-microbatches_in_flight = 2
-"""
 
 LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=5.0, max_wait_s=5.0)
 INFO_TIMEOUT_S = 2.0
@@ -94,10 +59,7 @@ async def test_a_hung_peer_in_every_stage_does_not_add_a_timeout_to_every_step(t
     the three steps with it take less than one stage_info_timeout_s (2 s) longer in all than the
     three without; on main every poll of the commit watch waits the whole timeout (measured:
     0.19 s alone, 12.2 s with it)."""
-    job_path = tmp_path / "job.toml"
-    job_path.write_text(SPEC.format(stdlib=sysconfig.get_paths()["stdlib"]))
-    spec = load_spec(job_path)
-    data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, tmp_path)
+    spec, data = training_job(tmp_path)
     directory = StaticDirectory()
     peers = [await start_peer(spec, stage, directory, LIMITS) for stage in range(2)]
     hung, identity = await hung_peer()
