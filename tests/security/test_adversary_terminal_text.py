@@ -13,6 +13,7 @@ in what they answer; the end record's `by` was already refused unless printable
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,3 +80,17 @@ async def test_a_peers_text_reaches_job_get_and_job_logs_escaped(served: Path) -
     for text in [*strings(job), *strings(events)]:
         assert text.isprintable(), repr(text)
     assert "\\x1b]0;owned\\x07" in job["banned"][0]["reason"] and "\\n" in events[0]["message"]
+
+
+def test_the_text_and_journal_logs_escape_a_peers_control_characters() -> None:
+    """The same reason in a log line: no ESC or BEL reaches the output, a traceback keeps its lines."""
+    from swarmd.logs import JournalFormatter, TextFormatter
+
+    record = logging.LogRecord("swarmd.train.trainer", logging.WARNING, __file__, 1, "banned stage %d peer %s: %s",
+                               (1, "127.0.0.1:9", "busy: \x1b]0;owned\x07\x1b[2J\rgone"), None)
+    for formatter in (TextFormatter(), JournalFormatter()):
+        line = formatter.format(record)
+        assert "\x1b" not in line and "\x07" not in line and "\r" not in line and "\\x1b]0;owned\\x07" in line
+    traceback = logging.LogRecord("swarmd.supervisor", logging.ERROR, __file__, 1, "%s failed:\n%s",
+                                  ("sync", "Traceback (most recent call last):\n  ValueError"), None)
+    assert len(TextFormatter().format(traceback).splitlines()) == 3
