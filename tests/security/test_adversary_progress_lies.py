@@ -143,3 +143,30 @@ async def test_a_strangers_wait_commit_calls_do_not_refuse_the_trainers_next_ste
         await asyncio.gather(*waits, return_exceptions=True)
         await stranger.close()
         await trainer.close()
+
+
+@pytest.mark.xfail(strict=True, reason=R4)
+async def test_a_strangers_parked_future_calls_do_not_refuse_the_trainers_next_step(lone_peer):
+    """The same slots taken by compute calls: a stranger parks max_waiting (16) backward calls for
+    step 5 (each waits for commits up to max_wait_s). Expected: the trainer's step-1 call is still
+    parked and answered once step 0 commits; on main it is refused `busy` at once."""
+    victim, _ = lone_peer
+    stranger, _ = stranger_pool()
+    trainer, _ = stranger_pool()
+    parked = [asyncio.create_task(backward(stranger, victim, 5, m % 4, timeout=10.0))
+              for m in range(victim.service.limits.max_waiting)]
+    try:
+        async with asyncio.timeout(5):
+            while victim.service._waiting < victim.service.limits.max_waiting:
+                await asyncio.sleep(0.01)
+        next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
+        await asyncio.sleep(0.2)
+        await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
+        assert await committed_within([victim], 1, 5.0)
+        await next_step  # on main: RemoteError busy ("16 calls already wait for a commit")
+    finally:
+        for task in parked:
+            task.cancel()
+        await asyncio.gather(*parked, return_exceptions=True)
+        await stranger.close()
+        await trainer.close()
