@@ -120,7 +120,7 @@ def register(router: Router, daemon: DaemonView) -> None:
                            for b in daemon.training.bans(job.job_id)]
         reply["outliers"] = [{"stage": stage, "step": step, "peers": list(peers)}
                              for stage, step, peers in daemon.serving.outliers(job.job_id)]
-        return Message(reply)
+        return Message(printable(reply))
 
     async def job_cancel(req: Request) -> Message:
         uid = req.peer.peercred[1] if req.peer.peercred else None
@@ -134,7 +134,7 @@ def register(router: Router, daemon: DaemonView) -> None:
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
         async for event in daemon.jobs.events(job, bool(req.meta.get("follow"))):
-            yield Message(event)
+            yield Message(printable(event))
 
     router.unary("status", status)
     router.unary("peers", peers)
@@ -212,6 +212,19 @@ class _job_errors:
         if isinstance(exc, DHTError):
             raise RpcError("dht_failed", str(exc)) from None
         return False
+
+
+def printable(value: Any) -> Any:
+    """`value` with every character of its strings that is not printable escaped as `repr` would
+    (`\\x1b`, `\\n`): a job's bans and events quote peers' own error texts, which `swarmctl job` and
+    `swarmctl logs` print to an operator's terminal (escape sequences, forged lines)."""
+    if isinstance(value, str):
+        return value if value.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+    if isinstance(value, dict):
+        return {k: printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable(v) for v in value]
+    return value
 
 
 def _key_parts(raw: object) -> list[str | int | bytes]:

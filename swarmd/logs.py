@@ -8,6 +8,7 @@ fixed keys, for shippers that should not parse prose.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -34,7 +35,25 @@ def priority_of(levelno: int) -> int:
     return 7
 
 
-class JournalFormatter(logging.Formatter):
+def terminal_safe(text: str) -> str:
+    """`text` with its control characters but newline and tab escaped as `repr` writes them: log
+    messages quote peers' own error texts, and a terminal showing the log would obey an escape
+    sequence in one (a multi-line message, such as a supervisor's traceback, keeps its lines)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+class _SafeMessage(logging.Formatter):
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        safe = terminal_safe(record.message)
+        if safe != record.message:
+            record = copy.copy(record)  # other handlers format the record as it came
+            record.message = safe
+        return super().formatMessage(record)
+
+
+class JournalFormatter(_SafeMessage):
     """`<N>logger: message`, every line of a multi-line record prefixed so none loses its priority."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -43,7 +62,7 @@ class JournalFormatter(logging.Formatter):
         return "\n".join(prefix + line for line in text.splitlines() or [""])
 
 
-class TextFormatter(logging.Formatter):
+class TextFormatter(_SafeMessage):
     """`2026-01-02T03:04:05.678Z INFO logger: message` in UTC, so hosts in many zones line up."""
 
     converter = time.gmtime

@@ -1,10 +1,17 @@
 """`job.export`: gather every stage's latest committed parameters for `swarmctl export`.
 
-Each stage comes from a live peer serving it (the highest announced step first, downloaded with the
-stage's own `stage.state` stream and checked piece by piece against the stage's shapes, exactly as a
-joining mate does), else from this daemon's newest checkpoint of it (a job that has ended: its
-peers left with a final checkpoint), else it is reported missing and `swarmctl` looks in the state
-dirs it was given, or refuses. Parameters only: the optimizer state stays in the swarm.
+Each stage comes from a live peer serving it (downloaded with the stage's own `stage.state` stream
+and checked piece by piece against the stage's shapes, exactly as a joining mate does), else from
+this daemon's newest checkpoint of it (a job that has ended: its peers left with a final
+checkpoint), else it is reported missing and `swarmctl` looks in the state dirs it was given, or
+refuses. Parameters only: the optimizer state stays in the swarm.
+
+Which peer: an announced step is a claim anyone can make. Taking the highest first made a
+stranger announcing a high step in a stage, and serving any state of the right shapes, the job's
+exported model. So the peers that answered the probe come first, and among them those announcing
+the step most of the stage's answering peers reach (the lower median of their claims), then the
+ones announcing more, highest first; and a state behind the step its peer announced is refused
+(announcements lag a peer's step, never lead it).
 
 The stream the control socket carries, in order (docs/control-api.md):
     {"kind": "job", "job", "name", "spec", "stages"}
@@ -66,13 +73,25 @@ async def export_messages(job, peers: list[dict], pool: Pool, state_dir: Path | 
     yield Message({"kind": "end"}, codec="none")
 
 
+def download_order(serving: list[dict]) -> list[dict]:
+    """Peers that answered before those that did not; then those announcing the stage's agreed step
+    (the lower median of the answering peers' claims) or less, highest first; then the ones
+    announcing more, lowest first: a lone high claim is tried last, not first."""
+    answering = sorted(p["step"] for p in serving if p.get("reachable", True))
+    agreed = answering[(len(answering) - 1) // 2] if answering else 0
+    return sorted(serving, key=lambda p: (not p.get("reachable", True), p["step"] > agreed,
+                                          -p["step"] if p["step"] <= agreed else p["step"]))
+
+
 async def _from_peers(job_id: bytes, index: int, module: torch.nn.Module, serving: list[dict],
                       pool: Pool) -> tuple[tuple | None, str]:
     tried = []
-    for peer in sorted(serving, key=lambda p: -p["step"]):
+    for peer in download_order(serving):
         addr = peer["address"]
         try:
             snapshot = await download(pool, addr, job_id, index, module, EXPORT_DOWNLOAD_TIMEOUT_S)
+            if snapshot.step < peer["step"]:
+                raise StateError(f"its state is at step {snapshot.step}, behind the step {peer['step']} it announced")
         except (TransportError, RpcError, StateError, ValueError) as exc:
             log.warning("export of stage %d: %s refused: %s", index, addr, exc)
             tried.append(f"{addr}: {exc}")

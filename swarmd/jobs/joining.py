@@ -49,6 +49,15 @@ log = logging.getLogger(__name__)
 
 #: How often the served set is compared with the file (a dict-key comparison; writes only on change).
 REMEMBER_CHECK_S = 0.5
+#: Jobs one tick tries to join that this daemon serves nothing of (each costs a read of every stage,
+#: its probes and a start): with `jobs.serve = "all"` every job a stranger publishes is a candidate,
+#: and one identity may list 64. The least recently tried go first, so every job gets its turn.
+MAX_JOIN_TRIES_PER_TICK = 8
+#: A job whose join failed (its stage over `jobs.max_stage_memory`, a start that failed) is not tried
+#: again for this long, doubled per further failure up to JOIN_RETRY_MAX_S; its failure is logged at
+#: WARNING once, then at debug: a stranger's unservable jobs must not grow the log every tick.
+JOIN_RETRY_S = 10.0
+JOIN_RETRY_MAX_S = 600.0
 #: Announced peer states as the join rule counts them; anything else is not counted.
 STATES = {"serving": SERVING, "joining": JOINING, "draining": DRAINING, "stopping": DRAINING}
 
@@ -89,6 +98,8 @@ class Joining:
         self.ticks = 0  # looks at the jobs index completed (tests wait on it instead of sleeping)
         self._saved: frozenset[Key] | None = None
         self._random = random.Random()
+        self._tried_at: dict[bytes, float] = {}  # job id -> monotonic time of its last join try
+        self._failed: dict[bytes, tuple[int, float]] = {}  # job id -> (failures in a row, retry at)
         self.supervisor = supervisor or Supervisor("joining")
 
     def start(self) -> None:
@@ -127,10 +138,24 @@ class Joining:
         await self._rejoin()
         if self.rule == "none":
             return
-        for job in list(self.registry.jobs.values()):
-            if (job.job_id in self.registry.listed and job.ended is None and job.state not in FINAL_STATES
-                    and admits(self.rule, job) and len(self.serving.served) < self.max_stages):
-                await self._join(job)
+        for table in (self._tried_at, self._failed):
+            for gone in [j for j in table if j not in self.registry.jobs]:
+                del table[gone]
+        now = time.monotonic()
+        candidates = [job for job in self.registry.jobs.values()
+                      if job.job_id in self.registry.listed and job.ended is None and job.state not in FINAL_STATES
+                      and admits(self.rule, job) and self._failed.get(job.job_id, (0, 0.0))[1] <= now]
+        tries = 0
+        for job in sorted(candidates, key=lambda j: self._tried_at.get(j.job_id, 0.0)):
+            if len(self.serving.served) >= self.max_stages:
+                break
+            new = not any(job_id == job.job_id for job_id, _ in self.serving.served)
+            if new:
+                if tries >= MAX_JOIN_TRIES_PER_TICK:
+                    continue
+                tries += 1
+                self._tried_at[job.job_id] = time.monotonic()
+            await self._join(job)
 
     async def _leave_ended(self) -> None:
         for job_id, stage in list(self.serving.served):
@@ -175,9 +200,14 @@ class Joining:
         stage = choose_join_stage(capacity_table(stages), me=self.peer_id)
         if stage in mine:
             return
-        await self._serve(job, stage, "joined")
+        failures = self._failed.get(job.job_id, (0, 0.0))[0]
+        if await self._serve(job, stage, "joined", quiet=failures > 0):
+            self._failed.pop(job.job_id, None)
+        else:
+            wait = min(JOIN_RETRY_MAX_S, JOIN_RETRY_S * 2 ** min(failures, 20))
+            self._failed[job.job_id] = (failures + 1, time.monotonic() + wait)
 
-    async def _serve(self, job: Job, stage: int, how: str) -> bool:
+    async def _serve(self, job: Job, stage: int, how: str, quiet: bool = False) -> bool:
         # Say "joining" in the stage's record before the seconds a start takes: daemons deciding
         # meanwhile count this peer (as the join rule's `expected`) instead of piling onto the same
         # stage. Trainers and stage-mates use only "serving" peers. Serving's own announcement of
@@ -191,8 +221,9 @@ class Joining:
         except asyncio.CancelledError:
             await asyncio.shield(self.registry.dht.withdraw(intent))
             raise
-        except Exception as exc:  # noqa: BLE001 - a failed join is logged and tried again next tick
-            log.warning("could not serve stage %d of job %s: %s", stage, job.spec.name, exc)
+        except Exception as exc:  # noqa: BLE001 - a failed join is logged and tried again later
+            log.log(logging.DEBUG if quiet else logging.WARNING, "could not serve stage %d of job %s (%s): %s",
+                    stage, job.spec.name, job.job_id.hex()[:16], exc)
             await self.registry.dht.withdraw(intent)
             return False
         log.info("%s stage %d of job %s (%s)", how, stage, job.spec.name, job.job_id.hex()[:16])

@@ -387,7 +387,7 @@ class JobRegistry:
 
     async def settle(self) -> None:
         """End the jobs submitted here that finished: their trainers here finished every step, or
-        (no trainer here: all run elsewhere) every stage has a serving peer that committed the last step."""
+        (no trainer here: all run elsewhere) most serving peers of every stage committed the last step."""
         for job in [j for j in self.jobs.values() if j.local and j.ended is None]:
             if job.state == "done":
                 self.end(job, "done", "its trainers finished every step")
@@ -396,8 +396,13 @@ class JobRegistry:
                 self.end(job, "done", f"every stage committed step {job.spec.steps}", job.spec.steps)
 
     async def swarm_step(self, job: Job) -> int:
-        """The step every stage has committed, as its serving peers announce (0 if a stage has none)."""
-        return min((max((p["step"] for p in s["peers"] if p["serves"]), default=0)
+        """The step every stage has committed, as its serving peers announce (0 if a stage has none).
+
+        A stage's step is the lower median of its serving peers' claims, not the highest: one
+        stranger announcing `step = steps` in every stage (and answering the probe) used to make
+        the submitter end the job swarm-wide on its word alone. A liar now moves a stage's step only
+        by being most of the stage's answering peers (docs/security.md)."""
+        return min((_lower_median([p["step"] for p in s["peers"] if p["serves"]])
                     for s in await self.stage_peers(job)), default=0)
 
     async def describe(self, job: Job) -> dict[str, Any]:
@@ -441,6 +446,11 @@ class JobRegistry:
             if not follow or job.state in FINAL_STATES:
                 return
             await job.changed.wait()
+
+
+def _lower_median(steps: list[int]) -> int:
+    """The claim at least half of `steps` reach or exceed, the smaller of two middles (0: none)."""
+    return sorted(steps)[(len(steps) - 1) // 2] if steps else 0
 
 
 def _why_stalled(peers: list[dict[str, Any]]) -> str:

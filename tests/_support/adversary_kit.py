@@ -1,0 +1,188 @@
+"""In-process stage peers with identities of their own on loopback, and a stranger that talks to
+them through the project's own transport: what the adversary tests (test_adversary_*.py) attack.
+
+Every peer, honest or not, proves an Ed25519 identity in its hello, as in the daemon, so a
+handler can tell who called; the honest peers' stage peer id is their transport peer id."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+
+import torch
+
+from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.job import load_spec, open_training_data, parse_toml
+from swarmd.stage import StageLimits, StageService
+from transport.identity import Identity
+from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
+
+JOB = hashlib.sha256(b"adversary-test-job").digest()
+B, T, C = 2, 16, 32
+STAGE = 1  # the middle stage of three: backward takes and returns activations
+
+SPEC = """
+name = "adversary"
+seed = 5
+steps = 20
+
+[model]
+arch = "transformer-lm"
+d_model = 32
+n_heads = 4
+layers_per_stage = 1
+
+[data]
+files = ["unused.txt"]
+seq_len = 16
+
+[batch]
+global_samples = 8
+microbatch_samples = 2
+
+[optim]
+name = "sgd"
+lr = 0.05
+momentum = 0.9
+schedule = "constant"
+clip_norm = 0.0
+
+[wire]
+activations = "none"
+gradients = "none"
+
+[pipeline]
+stages = 3
+delayed_updates = false
+"""
+
+FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=3.0, max_wait_s=5.0,
+                   resume_after_s=1.0)
+
+
+TRAIN_SPEC = """
+name = "adversary-train"
+seed = 7
+steps = 8
+
+[model]
+arch = "transformer-lm"
+d_model = 32
+n_heads = 4
+layers_per_stage = 1
+
+[data]
+files = ["{stdlib}/json/*.py"]
+seq_len = 16
+
+[batch]
+global_samples = 8
+microbatch_samples = 4
+
+[optim]
+name = "sgd"
+lr = 0.2
+schedule = "constant"
+
+[wire]
+activations = "none"
+gradients = "none"
+
+[pipeline]
+stages = 2
+microbatches_in_flight = 2
+"""
+
+
+def training_job(where):
+    """The two-stage job a trainer can run (its data: the stdlib's json package), and its data."""
+    job_path = where / "job.toml"
+    job_path.write_text(TRAIN_SPEC.format(stdlib=sysconfig.get_paths()["stdlib"]))
+    job_spec = load_spec(job_path)
+    return job_spec, open_training_data(job_spec.data, job_spec.batch, job_spec.model.config.vocab, job_spec.seed,
+                                        where)
+
+
+def spec():
+    return parse_toml(SPEC)
+
+
+@dataclass
+class Peer:
+    service: StageService
+    rpc: RpcServer
+    pool: Pool
+    identity: Identity
+
+    @property
+    def peer_id(self) -> bytes:
+        return self.identity.peer_id
+
+    @property
+    def addr(self) -> str:
+        host, port = self.rpc.address
+        return f"{host}:{port}"
+
+    async def close(self) -> None:
+        await self.service.stop()
+        await self.rpc.close()
+        await self.pool.close()
+
+
+async def start_peer(job_spec, stage: int, directory: StaticDirectory, limits: StageLimits = FAST) -> Peer:
+    identity = Identity.generate()
+    config = RpcConfig(identity=identity)
+    router = Router()
+    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=config)
+    pool = Pool(config)
+    addr = f"{rpc.address[0]}:{rpc.address[1]}"
+    service = StageService(job_spec, JOB, stage, identity.peer_id, router, pool, directory, address=addr,
+                           limits=limits)
+    await service.start()
+    announced = await directory.peers(JOB, stage)
+    directory.set(JOB, stage, [*announced, StagePeer(identity.peer_id, addr, stage)])
+    return Peer(service, rpc, pool, identity)
+
+
+def stranger_pool() -> tuple[Pool, Identity]:
+    """A peer of the swarm with a fresh identity (free to make) that announces nothing."""
+    identity = Identity.generate()
+    return Pool(RpcConfig(identity=identity)), identity
+
+
+def inputs(step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + m)
+    return torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g)
+
+
+async def backward(pool: Pool, peer: Peer, step: int, m: int, timeout: float = 10.0) -> Message:
+    """The trainer's `stage.backward` of microbatch `m` of `step` (4 microbatches a step)."""
+    x, gy = inputs(step, m)
+    meta = {"job": JOB, "stage": STAGE, "step": step, "mb": step * 4 + m, "samples": B}
+    return await pool.call(peer.addr, "stage.backward", Message(meta, [x, gy], codec="none"), timeout=timeout)
+
+
+async def committed_within(peers: list[Peer], steps: int, timeout: float) -> bool:
+    """Whether every peer has committed `steps` steps within `timeout` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not all(p.service.committed >= steps for p in peers):
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def progress(pool: Pool, peer: Peer) -> dict:
+    """What anyone may ask a stage peer: its step, digest and held ids."""
+    reply = await pool.call(peer.addr, "stage.sync.progress", Message({"job": JOB, "stage": STAGE}, codec="none"),
+                            timeout=5)
+    return reply.meta
+
+
+def fake_id(low: bool = True) -> bytes:
+    """A member id of the attacker's choosing: sorted first (`low`) or anywhere."""
+    return b"\x00" * 31 + os.urandom(1) if low else os.urandom(32)

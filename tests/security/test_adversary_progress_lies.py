@@ -1,0 +1,172 @@
+"""Progress lies: a peer that claims a step it never reached, to make honest peers and trainers act
+on it ("catch-up poisoning" and its relatives), and a stranger that takes the waiting slots.
+
+- R2 (race, swarmd/stage/core.py): a lone mate claiming a far higher step is downloaded from at
+  once, even while another mate at this peer's step agrees with it and no trainer ever asked for a
+  later step: the liar's state replaces the honest one (docs/security.md lists this as open).
+- R3 (race, swarmd/train/progress.py + trainer.py, swarmd/stage/service.py `_resume_at`): one
+  peer's `stage.info` step is believed over its mates': the trainer counts the stage committed and
+  stops re-sending; one answer from another stage is the only evidence a lone stage peer needs to
+  jump ahead, losing every step between (a stranger sends the call for the far step itself).
+- R7 (race, swarmd/train/progress.py `uncovered_everywhere`): what is uncovered is the intersection
+  of every answering peer's report, so one peer answering `uncovered: []` hides every lost
+  microbatch from the re-sends and the takeover.
+- R4 (race, swarmd/stage/service.py): `stage.wait_commit` takes the same `max_waiting` slots as
+  the trainers' calls parked for the next step, and anyone may call it: 16 calls from a stranger and
+  every trainer's next-step call is refused `busy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from adversary_kit import JOB, STAGE, backward, committed_within, spec, start_peer, stranger_pool
+
+from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.stage.core import CoreConfig, Download, MateView, Phase, StageCore, initial_digest
+from swarmd.train import progress
+from transport.errors import RemoteError, TransportError
+from transport.identity import Identity
+from transport.rpc import Message, Router, RpcConfig, RpcServer
+
+R2 = "adversary R2 in /work/coord/requests.md: a lone mate's higher step must be confirmed before download (race)"
+R3 = "adversary R3 in /work/coord/requests.md: one peer's step claim is not the stage's (race)"
+R7 = "adversary R7 in /work/coord/requests.md: one peer's empty `uncovered` hides every lost microbatch (race)"
+R4 = "adversary R4 in /work/coord/requests.md: wait_commit must not take the trainers' waiting slots (race)"
+
+D0 = initial_digest(5, 1)
+
+
+def serving_core() -> StageCore:
+    core = StageCore(b"\x10" * 32, "127.0.0.1:1", CoreConfig(4))
+    core.replaced(3, D0)
+    core.phase = Phase.SERVING
+    return core
+
+
+@pytest.mark.xfail(strict=True, reason=R2)
+def test_a_lone_liar_far_ahead_is_not_downloaded_from_over_an_agreeing_mate():
+    """This peer and an honest mate are at step 3 with the same digest; a third mate alone claims
+    step 1,000,000 (any digest). No trainer asked for a step past 3. Expected: no Download (its
+    claim is unconfirmed and contradicted); on main the core downloads the liar's state first."""
+    core = serving_core()
+    honest = MateView(b"\x20" * 32, "127.0.0.1:2", 3, "serving", D0, frozenset())
+    liar = MateView(b"\x30" * 32, "127.0.0.1:3", 1_000_000, "serving", b"\x00" * 16, frozenset())
+    core.observe(0.0, [honest, liar], [], [honest.peer_id, liar.peer_id])
+    action = core.decide(0.0, frozenset())
+    assert not (isinstance(action, Download) and liar.peer_id in [p for p, _ in action.sources])
+
+
+@pytest.mark.xfail(strict=True, reason=R3)
+def test_one_peer_far_ahead_does_not_make_a_stage_committed():
+    """Two answers from stage peers: an honest one still at step 3, uncovered microbatches waiting
+    for re-sends, and one at step 1,000,000 with a made-up record. Expected: step 3 is not
+    committed on that word (the trainer keeps re-sending); on main the liar alone is enough."""
+    honest = {"step": 3, "state": "serving", "uncovered": [12, 13], "missing": []}
+    liar = {"step": 1_000_000, "state": "serving", "last_step": {"step": 3, "samples": 8, "summed_duplicates": 0}}
+    assert progress.committed([honest, liar], 3) == []
+
+
+@pytest.mark.xfail(strict=True, reason=R7)
+def test_one_peer_reporting_nothing_uncovered_does_not_hide_lost_microbatches():
+    """Two honest peers of a stage at step 3 both report microbatches 12 and 13 uncovered (their
+    holder died before a mate saw them: only `uncovered` shows them); a third peer answers at step
+    3 with `uncovered: []`. Expected: 12 and 13 are still uncovered for the trainer (re-sent or
+    taken over; a copy a peer does hold is summed once anyway, I1); on main the intersection over
+    every answer makes them vanish, so nothing is ever re-sent and the step never commits."""
+    honest = {"step": 3, "state": "serving", "uncovered": [12, 13], "missing": []}
+    liar = {"step": 3, "state": "serving", "uncovered": [], "missing": []}
+    assert progress.uncovered_everywhere([honest, dict(honest), liar], 3, set(range(12, 16))) == {12, 13}
+
+
+@pytest.fixture
+async def lone_peer():
+    directory = StaticDirectory()
+    peer = await start_peer(spec(), STAGE, directory)
+    try:
+        yield peer, directory
+    finally:
+        await peer.close()
+
+
+@pytest.mark.xfail(strict=True, reason=R3)
+async def test_one_stranger_cannot_fast_forward_a_stage(lone_peer):
+    """The only peer of stage 1 is at step 0. A stranger announces a stage-0 peer answering
+    `stage.info` with step 15 and sends stage 1 a backward call for step 15. Expected: the peer
+    does not jump (committed stays 0, nothing skipped); on main it skips steps 0..14 in ~1 s."""
+    victim, directory = lone_peer
+    identity = Identity.generate()
+    router = Router()
+
+    async def info(req):
+        return Message({"step": 15, "state": "serving"}, codec="none")
+
+    router.unary("stage.info", info)
+    liar = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=RpcConfig(identity=identity))
+    pool, _ = stranger_pool()
+    try:
+        directory.set(JOB, 0, [StagePeer(identity.peer_id, f"127.0.0.1:{liar.address[1]}", 0)])
+        with contextlib.suppress(RemoteError, TransportError):
+            await backward(pool, victim, 15, 0, timeout=6.0)
+        assert victim.service.committed == 0 and not victim.service.skipped, \
+            f"jumped to {victim.service.committed} (skipped {list(victim.service.skipped)})"
+    finally:
+        await pool.close()
+        await liar.close()
+
+
+@pytest.mark.xfail(strict=True, reason=R4)
+async def test_a_strangers_wait_commit_calls_do_not_refuse_the_trainers_next_step(lone_peer):
+    """A stranger parks max_waiting (16) `stage.wait_commit` calls; then the trainer sends step 1's
+    first microbatch (parked until step 0 commits) and step 0's four. Expected: the step-1 call is
+    answered once step 0 commits; on main it is refused `busy` at once."""
+    victim, _ = lone_peer
+    stranger, _ = stranger_pool()
+    trainer, _ = stranger_pool()
+    wait = Message({"job": JOB, "stage": STAGE, "step": 100, "timeout_s": 30.0}, codec="none")
+    waits = [asyncio.create_task(stranger.call(victim.addr, "stage.wait_commit", wait, timeout=10))
+             for _ in range(victim.service.limits.max_waiting)]
+    try:
+        async with asyncio.timeout(5):
+            while victim.service._waiting < victim.service.limits.max_waiting:
+                await asyncio.sleep(0.01)
+        next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
+        await asyncio.sleep(0.2)
+        await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
+        assert await committed_within([victim], 1, 5.0)
+        await next_step  # on main: RemoteError busy ("16 calls already wait for a commit")
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        await stranger.close()
+        await trainer.close()
+
+
+@pytest.mark.xfail(strict=True, reason=R4)
+async def test_a_strangers_parked_future_calls_do_not_refuse_the_trainers_next_step(lone_peer):
+    """The same slots taken by compute calls: a stranger parks max_waiting (16) backward calls for
+    step 5 (each waits for commits up to max_wait_s). Expected: the trainer's step-1 call is still
+    parked and answered once step 0 commits; on main it is refused `busy` at once."""
+    victim, _ = lone_peer
+    stranger, _ = stranger_pool()
+    trainer, _ = stranger_pool()
+    parked = [asyncio.create_task(backward(stranger, victim, 5, m % 4, timeout=10.0))
+              for m in range(victim.service.limits.max_waiting)]
+    try:
+        async with asyncio.timeout(5):
+            while victim.service._waiting < victim.service.limits.max_waiting:
+                await asyncio.sleep(0.01)
+        next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
+        await asyncio.sleep(0.2)
+        await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
+        assert await committed_within([victim], 1, 5.0)
+        await next_step  # on main: RemoteError busy ("16 calls already wait for a commit")
+    finally:
+        for task in parked:
+            task.cancel()
+        await asyncio.gather(*parked, return_exceptions=True)
+        await stranger.close()
+        await trainer.close()
