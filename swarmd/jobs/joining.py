@@ -18,7 +18,7 @@ or cancelled by its submitter) is forgotten after `jobs.rejoin_wait_s`, the time
 daemon needs to find the swarm again.
 
 The same loop ends what has ended: on the submitter it publishes the end of a job whose steps are
-all done (`JobRegistry.settle`), and on every daemon it leaves the stages of a job whose submitter
+all done (`JobRegistry.settle`) and, while it runs, its progress (`JobRegistry.publish_progress`), and on every daemon it leaves the stages of a job whose submitter
 signed its end (finished or cancelled): a final checkpoint, announcements withdrawn, the stage
 stopped and forgotten (`Serving.leave`). An ended job is never joined or rejoined.
 
@@ -173,6 +173,7 @@ class Joining:
     async def tick(self) -> None:
         await self.registry.refresh()
         await self.registry.settle()
+        self.registry.publish_progress()
         await self._leave_ended()
         await self._rejoin()
         if self.rule == "none":

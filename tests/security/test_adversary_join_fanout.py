@@ -40,6 +40,9 @@ class Registry:
     async def settle(self) -> None:
         return None
 
+    def publish_progress(self) -> None:
+        return None
+
     async def stage_peers(self, job: Job) -> list[dict]:
         self.reads += 1
         return [{"stage": i, "peers": []} for i in range(job.spec.pipeline.stages)]
