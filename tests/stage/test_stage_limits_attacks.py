@@ -83,7 +83,7 @@ async def test_calls_parked_for_the_next_step_past_max_waiting_are_busy(kit, cli
     x = torch.randn(B, T, C)
     try:
         parked = asyncio.create_task(kit.call(client, peer, "stage.forward", STAGE, 1, 4, [x], timeout=1.0))
-        await until(lambda: peer.service._waiting == 1, 5, "the first call to wait for a commit")
+        await until(lambda: peer.service.parked.total == 1, 5, "the first call to wait for a commit")
         with pytest.raises(RemoteError) as info:
             await kit.call(client, peer, "stage.forward", STAGE, 1, 5, [x], timeout=1.0)
         assert info.value.code == "busy" and "max_waiting" in info.value.message
