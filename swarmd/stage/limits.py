@@ -33,10 +33,11 @@ class StageLimits:
     # calls leave the other half of the slots to everyone else's next-step calls.
     max_waiting_per_peer: int = 8
     # How many steps past the one this peer accepts work for a compute call may park for. The next
-    # step's calls arrive while the current step commits; nobody honest sends work further ahead,
-    # except to a stage that lost steps, and such a call parks only while this peer's looks find
-    # the swarm at its step (`StageService._resume_at`). Any other call further ahead is answered
-    # `not_ready` at once: parked, it would hold a slot (and its tensors) up to max_wait_s.
+    # step's calls arrive while the current step commits; work further ahead reaches only a peer
+    # behind its stage, and such a call parks only while this peer is about to move: a mate ahead
+    # to download from, or its looks find the swarm at that step (`StageService._resume_at`). Any
+    # other call further ahead is answered `not_ready` at once: parked, it would hold a slot (and
+    # its tensors) up to max_wait_s.
     max_steps_ahead: int = 1
     # `stage.wait_commit` long-polls held at once, in all and per caller. They hold no tensors, and
     # they have slots of their own, apart from max_waiting: a stranger's watches must not take the

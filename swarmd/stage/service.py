@@ -439,7 +439,7 @@ class StageService:
         """Work for a later step waits here for this peer's commit, up to the call's deadline, in one
         of the `parked` slots (`max_waiting`, `max_waiting_per_peer` of them for `caller`); a call
         more than `max_steps_ahead` steps ahead parks only while this peer is taking that step up
-        (`_resume_at`), else it is answered `not_ready` at once.
+        (`_resume_at`) or has a mate ahead to download from, else it is answered `not_ready` at once.
         True: the step was just committed and this peer still holds its parameters (a replay)."""
         loop = asyncio.get_running_loop()
         ahead = 1 if self.spec.pipeline.delayed_updates else 0
@@ -455,7 +455,10 @@ class StageService:
             look = await self._resume_at(step - ahead)
             if look is Look.TAKEN or self.committed != committed:
                 continue
-            if step - ahead - committed > self.limits.max_steps_ahead and look is not Look.PENDING:
+            # Further ahead, a call waits only while this peer is about to move: taking the swarm's
+            # step up, or behind a mate it will download from (the sync loop's catch-up).
+            moving = look is Look.PENDING or self.core.mate_ahead()
+            if step - ahead - committed > self.limits.max_steps_ahead and not moving:
                 raise not_ready(f"step {step} is {step - ahead - committed} steps past this peer's step {committed}; "
                                 f"calls wait for at most {self.limits.max_steps_ahead} (max_steps_ahead)")
             now = loop.time()
