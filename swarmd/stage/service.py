@@ -607,7 +607,7 @@ class StageService:
         with self.streams.hold(req.peer.peer_id):
             snapshot = await self.in_aux(self.snapshot)
             watch = StallWatch(self.limits.state_stall_s, self.limits.state_min_rate_bytes_s,
-                               f"stage {self.stage_index} state stream to {req.peer.address}")
+                               f"stage {self.stage_index} state stream to {_caller(req)}")
             try:
                 for message in snapshot_messages(snapshot, self.limits.state_chunk_bytes):
                     watch.handing(sum(t.numel() * t.element_size() for t in message.tensors))
@@ -711,6 +711,12 @@ class StageService:
             path = await asyncio.to_thread(ckpt.write_checkpoint, self.state_dir, snapshot, self.stage_index,
                                            self.limits.checkpoints_kept)
         log.info("stage %d wrote %s", self.stage_index, path)
+
+
+def _caller(req: Request) -> str:
+    """Who called, for a log line: the proven peer id (short hex), else the address."""
+    peer_id = req.peer.peer_id
+    return f"peer {peer_id.hex()[:16]}" if peer_id is not None else f"{req.peer.address}"
 
 
 class StallWatch:
