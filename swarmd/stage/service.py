@@ -480,7 +480,7 @@ class StageService:
                         raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
                                         f"and did not commit in time") from None
 
-    async def _resume_at(self, target: int) -> bool:
+    async def _resume_at(self, target: int) -> Look:
         """Skip the steps this stage lost, when the rest of the swarm shows they were committed.
 
         A stage whose every peer died restarts from its newest checkpoint (step c), while the other
