@@ -265,7 +265,8 @@ class JobRegistry:
         read first, at most `lookups_per_refresh` reads (a stranger's many jobs cost no more)."""
         due = [j for j in self.jobs.values() if not j.local and j.ended is None and j.job_id in self.listed]
         due.sort(key=lambda j: j.progress_read_at)
-        await asyncio.gather(*(self.read_progress(j) for j in due[:self.index_limits.lookups_per_refresh]))
+        if due:
+            await asyncio.gather(*(self.read_progress(j) for j in due[:self.index_limits.lookups_per_refresh]))
 
     def _index_value(self) -> bytes:
         # Ended jobs stay listed: readers then find their end record and show how they ended.
