@@ -87,16 +87,19 @@ def uncovered_everywhere(infos: list[Info], step: int, ids: set[int]) -> set[int
 class LossWatch:
     """Which of this trainer's microbatch ids one stage has lost, with the grace `uncovered` needs.
 
-    `missing` (a peer held them, then left) is believed at once. `uncovered` (no live peer holds
-    them) can merely lag a backward that just completed (stage-mates see each other's ids once a
-    progress poll), so an id counts only once the answers have said so (`uncovered_everywhere`)
-    for `grace_s`."""
+    `missing` (a peer held them, then left), from any one of `reports` (every answer), is
+    believed at once: a peer lists only what its mates held, and a spurious re-send is summed once
+    (I1). `uncovered` (no live peer holds them) can merely lag a backward that just completed
+    (stage-mates see each other's ids once a progress poll), so an id counts only once the voting
+    answers `infos` have said so (`uncovered_everywhere`) for `grace_s`."""
 
     grace_s: float
     _since: dict[int, float] = field(default_factory=dict)
 
-    def lost(self, infos: list[Info], step: int, mine: set[int], now: float) -> dict[int, str]:
-        missing = {mb for info in infos for mb in as_ints(info.get("missing"))} & mine
+    def lost(self, infos: list[Info], step: int, mine: set[int], now: float,
+             reports: list[Info] | None = None) -> dict[int, str]:
+        missing = {mb for info in (infos if reports is None else reports) for mb in as_ints(info.get("missing"))}
+        missing &= mine
         uncovered = uncovered_everywhere(infos, step, mine)
         for mb in [mb for mb in self._since if mb not in uncovered]:
             del self._since[mb]

@@ -581,10 +581,10 @@ class Trainer:
 
     async def _resend_lost(self, stage: int, step: int, answers: dict[bytes, dict[str, Any]],
                            infos: list[dict[str, Any]], watch: progress.LossWatch, done: dict[int, _Done]) -> None:
-        """Re-send what the stage lost of this trainer's microbatches, by the answers that vote
-        (`infos`, progress.voters); `answers` has every peer's, for the holders of repeats."""
+        """Re-send what the stage lost of this trainer's microbatches: `missing` in any answer,
+        `uncovered` by the answers that vote (`infos`, progress.voters); `answers` has every peer's."""
         by_id = {d.mb_id: d for d in done.values()}
-        lost = watch.lost(infos, step, set(by_id), asyncio.get_running_loop().time())
+        lost = watch.lost(infos, step, set(by_id), asyncio.get_running_loop().time(), list(answers.values()))
         for mb in [mb for mb in lost if
                    progress.as_int(answers.get(self._held_by.get((stage, mb)), {}).get("step"), -1) == step]:
             del lost[mb]  # its holder answered at this step: the reports lag what it holds

@@ -70,6 +70,8 @@ def test_the_loss_watch_counts_an_uncovered_id_after_the_grace_and_forgets_one_c
     assert watch.lost(lagging, 3, {12, 13}, now=1.5) == {}  # a new grace starts
     assert watch.lost(lagging, 3, {12, 13}, now=2.5) == {12: "uncovered"}
     assert watch.lost([info(3, [], missing=[13])], 3, {12, 13}, now=2.6) == {13: "missing"}
+    # `missing` from any peer counts, voter or not (a mate the trainer never used saw the holder leave).
+    assert watch.lost([info(3)], 3, {12, 13}, now=2.7, reports=[info(3), info(3, missing=[12])]) == {12: "missing"}
 
 
 def test_a_peer_that_misses_stage_info_is_skipped_for_a_growing_while_until_it_answers():
