@@ -133,8 +133,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         positive = ("forward_timeout_s", "backward_timeout_s", "info_timeout_s", "stage_info_timeout_s",
-                    "stage_info_straggler_s", "stage_info_skip_s", "stage_info_skip_max_s", "refresh_s", "wait_initial_s", "wait_max_s", "commit_poll_s", "commit_poll_max_s",
-                    "commit_status_after_s")
+                    "stage_info_straggler_s", "stage_info_skip_s", "stage_info_skip_max_s", "refresh_s",
+                    "wait_initial_s", "wait_max_s", "commit_poll_s", "commit_poll_max_s", "commit_status_after_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be positive, got {getattr(self, name)}")
