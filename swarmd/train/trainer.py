@@ -793,17 +793,22 @@ class Trainer:
         """Whether stage `stage` did commit `step`, as `pick.peer` answered `stale_step`: one peer's
         word is not the stage's (acting on it zero-covers the stages below and leaves the stage
         without the microbatch). Confirmed when the stage's agreed step (`progress.agreed_step`)
-        is past it. Otherwise the call goes elsewhere; a peer whose own stage.info puts it at or
-        before `step` contradicts itself and is banned, one that only runs ahead of its mates (an
-        honest peer a moment before its mates see the commit) is charged like a busy one."""
+        is past it. Otherwise the call goes elsewhere, and the peer is banned when its own
+        stage.info puts it at or before `step` (it contradicts itself) or more than one step past
+        the stage's (mates commit each step together: an honest peer runs ahead of their answers
+        by one commit at most, for a moment); else it is charged like a busy one."""
         answers = await self._stage_answers(stage)
         agreed = progress.agreed_step(progress.voters(answers, self._served[stage]))
         if agreed is not None and agreed > step:
             return True
         own = answers.get(pick.peer.peer_id)
-        if own is not None and progress.as_int(own.get("step")) <= step:
+        claimed = None if own is None else progress.as_int(own.get("step"))
+        if claimed is not None and claimed <= step:
             self._ban(stage, pick.peer, f"answered stale_step for step {step} ({exc.message}) while its "
-                                        f"stage.info says step {progress.as_int(own.get('step'))}")
+                                        f"stage.info says step {claimed}")
+        elif claimed is not None and agreed is not None and claimed > agreed + 1:
+            self._ban(stage, pick.peer, f"answered stale_step for step {step} ({exc.message}) claiming step "
+                                        f"{claimed}, while its stage's peers agree on step {agreed}")
         else:
             log.info("stage %d peer %s answered stale_step for step %d, but the stage's peers agree on step %s: "
                      "not believed, rerouting", stage, pick.peer.addr, step, agreed)
