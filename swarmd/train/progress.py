@@ -34,11 +34,11 @@ def lower_median(values: list[int]) -> int | None:
 
 
 def voters(answers: dict[bytes, Info], trusted: set[bytes]) -> list[Info]:
-    """The answers that decide for a stage: those of `trusted` peers when any answered, else all.
-    Of those, the serving peers' when any (a joining or draining peer's step says nothing about
-    the stage's)."""
-    chosen = [info for peer, info in answers.items() if peer in trusted] or list(answers.values())
-    return [info for info in chosen if info.get("state") == "serving"] or chosen
+    """The answers that decide for a stage: the serving peers' when any (a joining peer, e.g. one
+    downloading its mates' state, or a draining one says nothing about the stage's step), and of
+    those the `trusted` peers' when any answered, else all of them."""
+    serving = {peer: info for peer, info in answers.items() if info.get("state") == "serving"} or answers
+    return [info for peer, info in serving.items() if peer in trusted] or list(serving.values())
 
 
 def agreed_step(infos: list[Info]) -> int | None:

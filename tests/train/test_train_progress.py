@@ -36,7 +36,8 @@ def test_voters_prefer_peers_that_served_and_serving_ones():
     assert progress.voters(answers, {A}) == [info(3)]  # the liar B never served this trainer
     assert progress.voters(answers, set()) == [info(3), info(1_000_000)]  # nobody served: all serving ones
     assert progress.voters({C: info(0, state="joining")}, set()) == [info(0, state="joining")]
-    assert progress.voters(answers, {C}) == [info(0, state="joining")]
+    # A served peer that is downloading its mates' state does not outvote serving ones.
+    assert progress.voters(answers, {C}) == [info(3), info(1_000_000)]
     assert progress.agreed_step(progress.voters(answers, set())) == 3
 
 
