@@ -514,16 +514,28 @@ class Trainer:
         delay = self.config.commit_poll_s
         loop = asyncio.get_running_loop()
         began = loop.time()
+        # A stage that committed step s + 1 had every microbatch of s + 1 pass through every stage,
+        # which each accepts only once it committed s (with delayed updates, s - 1): so once any
+        # stage's agreed step is `lead` past `step`, every stage has committed `step`, whatever
+        # its own answers say (a liar's low claim beside one honest peer, to a trainer behind).
+        lead = 3 if self.spec.pipeline.delayed_updates else 2
+        furthest = -1
         try:
             while len(committed) < self.num_stages:
                 pending = [i for i in range(self.num_stages) if i not in committed]
                 answers = await self._poll_stages(pending)
+                voting = {i: progress.voters(answers[i], self._served[i]) for i in pending}
+                furthest = max([furthest, *(a for a in map(progress.agreed_step, voting.values()) if a is not None)])
                 undone: set[int] = set()
                 fresh: set[int] = set()  # undone even at the last stage: started nowhere
                 for i in pending:
-                    infos = progress.voters(answers[i], self._served[i])
+                    infos = voting[i]
                     finished = progress.committed(infos, step)
                     self._commit_status(i, step, infos, finished, loop.time() - began)
+                    if not finished and furthest >= step + lead:
+                        log.info("stage %d taken as past step %d: another stage agrees on step %d", i, step, furthest)
+                        committed[i] = (-1, -1)
+                        continue
                     if finished:
                         # A peer's step count can move a moment before its step record lands: ask
                         # again a few times for the record, then do without it.
@@ -794,9 +806,10 @@ class Trainer:
         word is not the stage's (acting on it zero-covers the stages below and leaves the stage
         without the microbatch). Confirmed when the stage's agreed step (`progress.agreed_step`)
         is past it. Otherwise the call goes elsewhere, and the peer is banned when its own
-        stage.info puts it at or before `step` (it contradicts itself) or more than one step past
-        the stage's (mates commit each step together: an honest peer runs ahead of their answers
-        by one commit at most, for a moment); else it is charged like a busy one."""
+        stage.info puts it at or before `step` (it contradicts itself); else it is charged like a
+        busy one. (Not banned for claiming to be far ahead of the agreed step: a liar claiming a
+        low step beside one honest peer would make that peer look far ahead, and a ban then would
+        leave the stage to the liar.)"""
         answers = await self._stage_answers(stage)
         agreed = progress.agreed_step(progress.voters(answers, self._served[stage]))
         if agreed is not None and agreed > step:
@@ -806,9 +819,6 @@ class Trainer:
         if claimed is not None and claimed <= step:
             self._ban(stage, pick.peer, f"answered stale_step for step {step} ({exc.message}) while its "
                                         f"stage.info says step {claimed}")
-        elif claimed is not None and agreed is not None and claimed > agreed + 1:
-            self._ban(stage, pick.peer, f"answered stale_step for step {step} ({exc.message}) claiming step "
-                                        f"{claimed}, while its stage's peers agree on step {agreed}")
         else:
             log.info("stage %d peer %s answered stale_step for step %d, but the stage's peers agree on step %s: "
                      "not believed, rerouting", stage, pick.peer.addr, step, agreed)

@@ -71,3 +71,35 @@ async def test_one_liar_in_every_stage_does_not_choose_where_a_trainer_starts(tm
         await liar.close()
         for peer in peers:
             await peer.close()
+
+
+async def test_one_liar_claiming_a_low_step_does_not_stop_a_joining_trainer(tmp_path):
+    """The other direction: both stages trained to step 3 by a first trainer, then the liar
+    (answering step 0, and nothing else) announced in both stages and a second trainer started
+    without a step. The lower median of two claims is the liar's, so it starts at step 0. Expected:
+    it still trains to the end: the liar is banned at its first compute call, after which the
+    honest peers' `stale_step` (and replays) for steps 0..2 are confirmed by their own stages'
+    step, and no honest peer is banned for them; steps 3..7 are trained as usual."""
+    spec, data = training_job(tmp_path)
+    directory = StaticDirectory()
+    peers = [await start_peer(spec, stage, directory, LIMITS) for stage in range(2)]
+    pool = Pool(RpcConfig(identity=Identity.generate()))
+    liar, identity = await step_liar(0)
+    try:
+        first = Trainer(spec, JOB, directory, pool, data, config=TRAINER)
+        await asyncio.wait_for(first.run(0, 3), 60)
+        for stage in range(2):
+            directory.set(JOB, stage, [*await directory.peers(JOB, stage),
+                                       StagePeer(identity.peer_id, f"127.0.0.1:{liar.address[1]}", stage)])
+        trainer = Trainer(spec, JOB, directory, pool, data, config=TRAINER)
+        events = await asyncio.wait_for(trainer.run(), 60)
+        assert [e.step for e in events][-5:] == list(range(3, spec.steps))
+        assert all(p.service.committed == spec.steps for p in peers)
+        assert not any(p.peer_id in trainer.wiring[stage].banned() for stage, p in enumerate(peers)), \
+            [r.reason for r in trainer.banned_peers]
+        assert not any(p.service.skipped for p in peers)
+    finally:
+        await pool.close()
+        await liar.close()
+        for peer in peers:
+            await peer.close()
