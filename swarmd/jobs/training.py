@@ -62,7 +62,8 @@ class Training:
         assert job.sources is not None
         spec = job.spec
         tokens = await asyncio.to_thread(read_tokens, job.sources)
-        data = TrainingData(TokenDataset(tokens, spec.data.seq_len, spec.model.config.vocab), spec.batch, spec.seed)
+        data = TrainingData(TokenDataset(tokens, spec.data.seq_len, spec.model.config.vocab), spec.batch, spec.seed,
+                            spec.eval)
         for shard in shards:
             trainer = Trainer(spec, job.job_id, self.directory, self.pool, data, shard=shard, shards=of,
                               config=self.config, on_event=lambda e, s=shard: self._on_event(job, s, e))

@@ -47,6 +47,10 @@ def spec_with(field: str, value) -> dict:
         raw["batch"]["microbatch_samples"] = value // 256  # within its own limit at global's
     if field == "optim.min_lr":
         raw["optim"]["lr"] = value
+    if section == "eval":  # an enabled [eval] whose work stays within MAX_EVAL_SHARE of training's
+        table.setdefault("every_steps", 10**6)
+        table.setdefault("samples", 1)
+        table.setdefault("holdout", 0.1)
     return raw
 
 
