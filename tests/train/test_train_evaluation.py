@@ -1,0 +1,87 @@
+"""Held-out evaluation through real stage peers over loopback (evaluation.py), against the
+single-process reference evaluating the same held-out samples after the same steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmd.job import load_spec, open_training_data
+from swarmd.reference import ReferenceTrainer
+from swarmd.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+EVAL = "\n[eval]\nevery_steps = 2\nsamples = 10\nholdout = 0.2\n"
+
+
+def with_eval(tmp_path, tiny_job, **kw):
+    tiny_job(**kw)
+    path = tmp_path / "job.toml"
+    path.write_text(path.read_text() + EVAL)
+    spec = load_spec(path)
+    return spec, open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, tmp_path,
+                                    evaluation=spec.eval)
+
+
+async def test_swarm_eval_losses_equal_the_references_and_training_stays_exact(tmp_path, tiny_job, swarm, pools, kit):
+    """Steps: 3 stages x 2 peers, 2 trainers, codec none, [eval] every 2 steps of 10 held-out
+    samples (batches of 4, 4 and 2); train 5 steps; the reference trains the same 5 steps,
+    evaluating after steps 2, 4 and 5. Expected: shard 0 alone reports evaluations, after steps
+    2, 4 and 5 (events of steps 1, 3, 4), each with all 10 samples and a loss within 1e-5
+    relative of the reference's (the same fp32 parameters and samples; only the sums' order may
+    differ); the training losses and every peer's parameters match the reference as without
+    evaluation (1e-5 relative)."""
+    spec, data = with_eval(tmp_path, tiny_job, optim="sgd", lr=0.1)
+    swarm_ = await swarm(spec, peers_per_stage=2)
+    events = []
+    trainers = [Trainer(spec, kit.JOB_ID, swarm_.directory, pool, data, shard=k, shards=2,
+                        config=kit.TRAINER_CONFIG, on_event=events.append) for k, pool in enumerate(pools(2))]
+    results = await asyncio.wait_for(asyncio.gather(*(t.run(0, 5) for t in trainers)), timeout=120)
+
+    reference = ReferenceTrainer(spec, data)
+    ref_losses, ref_evals = [], {}
+    for step in range(5):
+        ref_losses.append(reference.train_step().loss)
+        if spec.eval.due(step + 1, spec.steps):
+            ref_evals[step + 1] = reference.evaluate()
+    assert sorted(ref_evals) == [2, 4, 5]
+
+    assert all(e.evaluation is None for e in results[1])
+    evaluated = {e.evaluation.version: e.evaluation for e in results[0] if e.evaluation is not None}
+    assert {e.step for e in results[0] if e.evaluation is not None} == {1, 3, 4}
+    assert sorted(evaluated) == [2, 4, 5]
+    for version, result in evaluated.items():
+        print(f"step {version}: swarm eval loss {result.loss:.6f}, reference {ref_evals[version]:.6f}, "
+              f"{result.elapsed_s:.2f} s")
+        assert result.samples == 10 and result.why == ""
+        assert abs(result.loss - ref_evals[version]) <= 1e-5 * abs(ref_evals[version])
+    by_step: dict[int, float] = {}
+    for e in (e for r in results for e in r):
+        by_step[e.step] = by_step.get(e.step, 0.0) + e.shard_loss * e.samples
+    for step, want in enumerate(ref_losses):
+        assert abs(by_step[step] / spec.batch.global_samples - want) <= 1e-5 * abs(want)
+    assert kit.max_relative_difference(swarm_, reference) <= 1e-5
+
+
+async def test_an_evaluation_that_cannot_be_had_is_given_up_not_fatal(tmp_path, tiny_job, swarm, pools, kit):
+    """Steps: 2 stages x 1 peer, one trainer, [eval] every 2 steps; the last stage's peer is made
+    to refuse stage.evaluate (its method raises busy, as a full queue would); train 2 steps.
+    Expected: training completes; the step-2 evaluation is given up after max_attempts with the
+    reason, no loss and no samples."""
+    spec, data = with_eval(tmp_path, tiny_job, optim="sgd", lr=0.1, stages=2)
+    swarm_ = await swarm(spec, peers_per_stage=1)
+    from swarmd.stage.errors import busy
+
+    async def refuse(req):
+        raise busy("test: evaluation refused")
+
+    swarm_.of_stage(1)[0].service.evaluate = refuse
+    (pool,) = pools(1)
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pool, data, config=kit.TRAINER_CONFIG)
+    events = await asyncio.wait_for(trainer.run(0, 2), timeout=120)
+    assert [e.step for e in events] == [0, 1]
+    result = events[1].evaluation
+    assert result is not None and result.loss is None and result.samples == 0
+    assert "max_attempts" in result.why, result
