@@ -90,6 +90,9 @@ class Job:
     state: str = "waiting"
     step: int = 0
     loss: float | None = None
+    # The last held-out evaluation's mean loss ([eval]) and the steps committed it evaluated.
+    eval_loss: float | None = None
+    eval_step: int | None = None
     samples_per_s: float = 0.0
     sources: Sources | None = None
     events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_EVENTS))
@@ -424,7 +427,7 @@ class JobRegistry:
             status = f"{job.state}: every stage has peers"
         return {"job": job.job_id.hex(), "name": job.spec.name, "state": state, "status": status,
                 "submitter": job.submitter.hex(), "step": job.step, "steps": job.spec.steps, "loss": job.loss,
-                "samples_per_s": job.samples_per_s, "stages": stages,
+                "eval_loss": job.eval_loss, "eval_step": job.eval_step, "samples_per_s": job.samples_per_s, "stages": stages,
                 "end": None if job.ended is None else job.ended.as_dict()}
 
     async def cancel(self, job: Job, by: str = "swarmctl cancel") -> None:
