@@ -10,7 +10,9 @@ see exactly the samples the swarm saw.
 
 With `[eval]`, a `holdout` fraction of the samples is set aside first, drawn by the job's seed
 (`held_out_split`): training permutes only the rest, so it never samples a held-out window, and
-every evaluation reads the same first `eval.samples` of the held-out ones (`TrainingData.eval_batches`).
+every evaluation reads the same first `eval.samples` of the held-out ones (`TrainingData.eval_batch`).
+With `eval.files` instead, they are `eval.samples` windows of that data set, drawn by the seed alike,
+and training keeps all of its own.
 """
 
 from __future__ import annotations
@@ -149,18 +151,28 @@ class Microbatch:
 class TrainingData:
     """A job's dataset and order together: what a trainer (or the reference) pulls microbatches from."""
 
-    def __init__(self, dataset: TokenDataset, batch: BatchSpec, seed: int, evaluation: EvalSpec | None = None) -> None:
+    def __init__(self, dataset: TokenDataset, batch: BatchSpec, seed: int, evaluation: EvalSpec | None = None,
+                 eval_dataset: TokenDataset | None = None) -> None:
+        """`eval_dataset`: the data of `eval.files`, when the caller has it (without it such a job
+        has no held-out samples here: `eval_batch_count()` is 0)."""
         self.dataset = dataset
         self.microbatch_samples = batch.microbatch_samples
-        # Training samples: all of them, or (with [eval]) the ones not held out, as dataset indices.
+        # Training samples: all of them, or (with eval.holdout) the ones not held out, as dataset indices.
         self.training_indices: np.ndarray | None = None
+        self.eval_dataset = dataset  # where the held-out samples are read from
         self.eval_indices = np.zeros(0, dtype=np.int64)  # the held-out samples every evaluation reads
-        if evaluation is not None and evaluation.enabled:
+        if evaluation is not None and evaluation.enabled and evaluation.files is None:
             held, self.training_indices = held_out_split(len(dataset), evaluation.holdout, seed)
             if len(held) < evaluation.samples:
                 raise SpecError("eval.holdout", f"holds out {len(held)} of the data's {len(dataset)} samples, "
                                                 f"fewer than eval.samples ({evaluation.samples})")
             self.eval_indices = held[: evaluation.samples]
+        elif evaluation is not None and evaluation.enabled and eval_dataset is not None:
+            held, _ = held_out_split(len(eval_dataset), 1.0, seed)  # every window, in the seed's order
+            if len(held) < evaluation.samples:
+                raise SpecError("eval.files", f"hold {len(held)} samples of data.seq_len tokens, fewer than "
+                                              f"eval.samples ({evaluation.samples})")
+            self.eval_dataset, self.eval_indices = eval_dataset, held[: evaluation.samples]
         pool = len(dataset) if self.training_indices is None else len(self.training_indices)
         self.sampler = BatchSampler(pool, batch.global_samples, batch.microbatch_samples, seed)
 
@@ -180,5 +192,5 @@ class TrainingData:
             raise ValueError(f"eval batch must be in 0..{self.eval_batch_count() - 1}, got {index}")
         size = self.microbatch_samples
         indices = self.eval_indices[index * size: (index + 1) * size]
-        inputs, targets = self.dataset.samples(indices)
+        inputs, targets = self.eval_dataset.samples(indices)
         return EvalBatch(index, indices, inputs, targets)

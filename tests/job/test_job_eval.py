@@ -59,13 +59,33 @@ def test_eval_round_trips_through_the_canonical_form_and_changes_the_id() -> Non
     ({"every_steps": 2, "samples": 4}, "eval.holdout", "must be a positive fraction"),
     ({"every_steps": 2, "samples": 4, "holdout": float("nan")}, "eval.holdout", "must be a positive fraction"),
     ({"every_steps": 2, "samples": 4, "holdout": 0.6}, "eval.holdout", "over MAX_HOLDOUT (0.5)"),
-    ({"every_steps": 2, "samples": 4, "holdout": 0.1, "files": ["x"]}, "eval.files", "unknown key"),
+    ({"every_steps": 2, "samples": 4, "holdout": 0.1, "files": ["x"]}, "eval.files", "exactly one of"),
+    ({"every_steps": 2, "samples": 4, "files": []}, "eval.files", "at least one pattern"),
+    ({"files": ["x"]}, "eval.every_steps", "must be at least 1 when"),
+    ({"every_steps": 2, "samples": 4, "files": [f"p{i}" for i in range(65)]}, "eval.files",
+     "over MAX_DATA_PATTERNS (64)"),
+    ({"every_steps": 2, "samples": 4, "colour": 1}, "eval.colour", "unknown key"),
     ({"every_steps": 2.5, "samples": 4, "holdout": 0.1}, "eval.every_steps", "must be an integer"),
     ({"every_steps": 1, "samples": 65_537, "holdout": 0.1}, "eval.samples", "over MAX_EVAL_SAMPLES (65536)"),
 ])
 def test_bad_eval_tables_are_refused_naming_the_field(table, field, words) -> None:
     error = refused(**table)
     assert error.field == field and words in error.message, error
+
+
+def test_eval_files_round_trip_and_with_token_data_name_one_file() -> None:
+    evaluated = spec(every_steps=5, samples=16, files=["valid/*.txt"])
+    assert evaluated.to_dict()["eval"] == {"every_steps": 5, "files": ["valid/*.txt"], "holdout": 0.0, "samples": 16}
+    assert JobSpec.from_msgpack(evaluated.to_msgpack()) == evaluated
+    assert "files" not in spec(every_steps=5, samples=16, holdout=0.1).to_dict()["eval"]
+    raw = copy.deepcopy(BASE)
+    raw["data"] = {"tokens": "train.bin", "seq_len": 16}
+    raw["eval"] = {"every_steps": 5, "samples": 16, "files": ["a.bin", "b.bin"]}
+    with pytest.raises(SpecError) as caught:
+        JobSpec.from_dict(raw)
+    assert caught.value.field == "eval.files" and "one token file" in caught.value.message
+    raw["eval"]["files"] = ["valid.bin"]
+    assert JobSpec.from_dict(raw).eval.files == ("valid.bin",)
 
 
 def test_evaluation_may_not_outweigh_training() -> None:
@@ -135,6 +155,41 @@ def test_without_eval_the_sample_order_is_what_it_was() -> None:
     from swarmd.job import BatchSampler
     sampler = BatchSampler(100, 8, 4, 3)
     assert np.array_equal(plain.microbatch(4, 1).sample_indices, sampler.microbatch_indices(4, 1))
+
+
+def test_eval_files_are_their_own_data_set_and_training_keeps_all_of_its_own() -> None:
+    evaluation = EvalSpec(every_steps=5, samples=10, files=("valid.txt",))
+    valid = TokenDataset(np.array([(i // 4 + 100) % 256 for i in range(30 * 4 + 1)], dtype=np.uint8), 4, 256)
+    data = TrainingData(dataset(40), BatchSpec(8, 4), seed=11, evaluation=evaluation, eval_dataset=valid)
+    assert data.training_indices is None and data.sampler.num_samples == 40
+    assert len(data.eval_indices) == 10 and len(set(data.eval_indices.tolist())) == 10
+    batch = data.eval_batch(0)
+    assert torch.equal(batch.inputs[:, 0], torch.from_numpy((batch.sample_indices + 100) % 256))  # valid's windows
+    again = TrainingData(dataset(40), BatchSpec(8, 4), seed=11, evaluation=evaluation, eval_dataset=valid)
+    assert np.array_equal(again.eval_indices, data.eval_indices)
+    # Without the eval data (a trainer that evaluates nothing) there are no held-out samples.
+    assert TrainingData(dataset(40), BatchSpec(8, 4), seed=11, evaluation=evaluation).eval_batch_count() == 0
+    with pytest.raises(SpecError) as caught:
+        TrainingData(dataset(40), BatchSpec(8, 4), seed=11, evaluation=EvalSpec(5, 31, files=("v",)), eval_dataset=valid)
+    assert caught.value.field == "eval.files" and "hold 30 samples" in caught.value.message
+
+
+def test_open_training_data_reads_eval_files_beside_the_spec(tmp_path) -> None:
+    from swarmd.job import DataSpec, open_training_data
+
+    (tmp_path / "train.txt").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "valid.txt").write_bytes(b"held out text, never trained on. " * 20)
+    evaluation = EvalSpec(every_steps=2, samples=6, files=("valid.txt",))
+    data = open_training_data(DataSpec(seq_len=8, files=("train.txt",)), BatchSpec(8, 4), 256, 3, tmp_path,
+                              evaluation=evaluation)
+    batch = data.eval_batch(0)
+    text = (tmp_path / "valid.txt").read_bytes()
+    for row, i in zip(batch.inputs, batch.sample_indices):
+        assert bytes(row.tolist()) == text[i * 8: i * 8 + 8]
+    with pytest.raises(SpecError) as caught:
+        open_training_data(DataSpec(seq_len=8, files=("train.txt",)), BatchSpec(8, 4), 256, 3, tmp_path,
+                           evaluation=EvalSpec(2, 6, files=("missing/*.txt",)))
+    assert caught.value.field == "eval.files" and "matches no files" in caught.value.message
 
 
 def test_too_small_a_holdout_for_the_samples_is_a_clear_error() -> None:

@@ -28,8 +28,10 @@ def spec_with(field: str, value) -> dict:
     raw = copy.deepcopy(BASE)
     section, _, name = field.rpartition(".")
     table = raw.setdefault(section, {}) if section else raw
-    if field == "data.files":
+    if field in ("data.files", "eval.files"):
         table["files"] = [f"p{i}/*.txt" for i in range(value)]
+        if field == "eval.files":
+            table.update(every_steps=1, samples=1)
         return raw
     if field == "batch.microbatches_per_step":
         raw["batch"] = {"global_samples": value, "microbatch_samples": 1}
