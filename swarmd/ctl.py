@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--data", action="append", required=True, metavar="PATH", help="local data (repeatable)")
     train.add_argument("--shard", type=int, default=0, metavar="k", help="which shard of each step's microbatches")
     train.add_argument("--shards", type=int, default=1, metavar="K", help="how many trainer shards split a step")
+    train.add_argument("--eval-data", action="append", default=[], metavar="PATH",
+                       help="local data of the job's [eval] files, for shard 0, which evaluates (repeatable; "
+                            "default: the spec's eval.files patterns, absolute ones only)")
     serve = command("serve", "serve a stage of a job (pin by hand)")
     serve.add_argument("job")
     serve.add_argument("--stage", type=int, metavar="I")
@@ -375,7 +378,8 @@ def run_command(args: argparse.Namespace) -> None:
     elif cmd == "cancel":
         _emit(args, client.cancel(args.job), str)
     elif cmd == "train":
-        _emit(args, client.train(args.job, [str(Path(d).resolve()) for d in args.data], args.shard, args.shards), str)
+        _emit(args, client.train(args.job, [str(Path(d).resolve()) for d in args.data], args.shard, args.shards,
+                                 [str(Path(d).resolve()) for d in args.eval_data]), str)
     elif cmd == "serve":
         _emit(args, client.serve(args.job, args.stage), str)
 

@@ -37,7 +37,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from swarmd.errors import LocalError
 from swarmd.jobs.probing import Prober
-from swarmd.job import JobSpec, SpecError
+from swarmd.job import DataSpec, JobSpec, SpecError
+from swarmd.job.spec import eval_data_spec
 from swarmd.job.opening import AccessDenied, Reader
 from swarmd.job.sources import GlobLimits, Sources, named_sources, resolve_sources
 from swarmd.values import DHTValues, JobEnd, encode_index, end_key, index_key, spec_key
@@ -95,6 +96,7 @@ class Job:
     eval_step: int | None = None
     samples_per_s: float = 0.0
     sources: Sources | None = None
+    eval_sources: Sources | None = None  # the data of `eval.files`, for this daemon's shard-0 trainer
     events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_EVENTS))
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     emitted: int = 0  # events ever added; the deque holds the last MAX_EVENTS of them
@@ -161,13 +163,15 @@ class JobRegistry:
         except SpecError as exc:
             raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
         sources = await self._off_loop(self._readable_sources, spec, data, base, peercred)
+        eval_sources = None if spec.eval.files is None else \
+            await self._off_loop(self._readable_eval_sources, spec, (), base, peercred)
         job_id = spec.job_id(self.identity.public_key)
         if job_id in self.jobs:
             return self.jobs[job_id]
         limit = self.index_limits.max_ids_per_submitter
         if sum(j.local for j in self.jobs.values()) >= limit:
             raise JobRequestError("busy", f"this daemon already submitted {limit} jobs (jobs.max_jobs_per_submitter)")
-        job = Job(job_id, spec, self.identity.public_key, local=True, sources=sources)
+        job = Job(job_id, spec, self.identity.public_key, local=True, sources=sources, eval_sources=eval_sources)
         self.jobs[job_id] = job
         try:
             if start is not None:
@@ -183,6 +187,12 @@ class JobRegistry:
         """Local data for one more trainer of `job` (job.train), checked like a submission's."""
         job.sources = await self._off_loop(self._readable_sources, job.spec, data, None, peercred)
 
+    async def attach_eval_data(self, job: Job, eval_data: Sequence[str], peercred: tuple[int, int, int] | None) -> None:
+        """The data of the job's `eval.files` for the trainer that evaluates (shard 0, job.train):
+        `eval_data` paths, or else the spec's patterns, which then must be absolute (no spec file
+        here to start relative ones from)."""
+        job.eval_sources = await self._off_loop(self._readable_eval_sources, job.spec, eval_data, None, peercred)
+
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
 
@@ -192,6 +202,15 @@ class JobRegistry:
         and checked by `swarmd.job.opening`, never judged by its text. `data` paths (from
         `swarmctl submit --data`) replace the spec's own; otherwise the spec's relative paths
         start at `base`, the spec file's directory as swarmctl resolved it."""
+        return self._readable(spec.data, spec, data, base, peercred, "data")
+
+    def _readable_eval_sources(self, spec: JobSpec, data: Sequence[str], base: str | None,
+                               peercred: tuple[int, int, int] | None) -> Sources:
+        """`_readable_sources` for `eval.files` (errors name `eval.files`)."""
+        return self._readable(eval_data_spec(spec.data, spec.eval), spec, data, base, peercred, "eval.files")
+
+    def _readable(self, wanted: DataSpec, spec: JobSpec, data: Sequence[str], base: str | None,
+                  peercred: tuple[int, int, int] | None, what: str) -> Sources:
         if peercred is None:
             raise JobRequestError("forbidden", "no peer credentials: cannot tell whose data this is")
         reader = Reader.of_user(peercred[1], peercred[2])
@@ -200,13 +219,14 @@ class JobRegistry:
                 return named_sources(data, spec.data.tokens is not None, reader, spec.data.token_dtype)
             if base is not None and not Path(base).is_absolute():
                 raise SpecError("base", f"{base} is not an absolute directory")
-            return resolve_sources(spec.data, base or "/", self.glob_limits, reader)
+            return resolve_sources(wanted, base or "/", self.glob_limits, reader)
         except SpecError as exc:
-            raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
+            field = exc.field if what == "data" or exc.field == "base" else what
+            raise JobRequestError("bad_request", f"{field}: {exc.message}") from None
         except AccessDenied as exc:
-            raise JobRequestError("forbidden", f"data: {exc}") from None
+            raise JobRequestError("forbidden", f"{what}: {exc}") from None
         except OSError as exc:
-            raise JobRequestError("bad_request", f"data: {exc}") from None
+            raise JobRequestError("bad_request", f"{what}: {exc}") from None
 
     def _publish(self, job: Job) -> None:
         value = job.spec.to_msgpack()

@@ -68,8 +68,11 @@ class Training:
         assert job.sources is not None
         spec = job.spec
         tokens = await asyncio.to_thread(read_tokens, job.sources)
-        data = TrainingData(TokenDataset(tokens, spec.data.seq_len, spec.model.config.vocab), spec.batch, spec.seed,
-                            spec.eval)
+        vocab = spec.model.config.vocab
+        held_out = None
+        if job.eval_sources is not None and 0 in shards:  # eval.files, for shard 0 which evaluates
+            held_out = TokenDataset(await asyncio.to_thread(read_tokens, job.eval_sources), spec.data.seq_len, vocab)
+        data = TrainingData(TokenDataset(tokens, spec.data.seq_len, vocab), spec.batch, spec.seed, spec.eval, held_out)
         for shard in shards:
             trainer = Trainer(spec, job.job_id, self.directory, self.pool, data, shard=shard, shards=of,
                               config=self.config, on_event=lambda e, s=shard: self._on_event(job, s, e))

@@ -3,7 +3,10 @@ its eval loss shows in `job.get`, the step events, `swarmctl job`, the metrics a
 and the model exported at the end has, on the same held-out samples, the swarm's last eval loss.
 
 Two daemons `a` (submitter and trainer) and `b`; a two-stage job, stage 0 pinned on `a`, stage 1 on
-`b`; codec `none`, plain SGD. [eval] every 2 of 4 steps, 6 held-out samples (three batches of 2).
+`b`; codec `none`, plain SGD. [eval] every 2 of 4 steps, 6 held-out samples (three batches of 2),
+held out from the training text (`holdout`), or from a file of their own (`files`, relative to
+the spec: the trainer's daemon is told where with `swarmctl train --eval-data`, and refuses to
+train shard 0 without it).
 
 Tolerance of export vs swarm, 1e-5 relative: the export holds the parameters of step 4 bit for bit
 (the stages' final checkpoints of the state they evaluated), and the exported model runs the same
@@ -13,6 +16,7 @@ kernels or thread counts), a few ulps of fp32 (~1e-7 relative) per operation."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -25,7 +29,7 @@ import pytest
 import torch
 
 from swarmd.exitcodes import EXIT_OK
-from swarmd.job import TokenDataset, TrainingData, parse_toml, read_tokens, resolve_sources
+from swarmd.job import open_training_data, parse_toml
 from swarmd.model import load_model
 
 pytestmark = pytest.mark.slow
@@ -34,7 +38,9 @@ STEPS = 4
 JOB = {"model": {"layers_per_stage": 1}, "batch": {"global_samples": 4, "microbatch_samples": 2},
        "optim": {"name": "sgd", "lr": 0.05, "schedule": "constant", "clip_norm": 0.0},
        "wire": {"activations": "none", "gradients": "none"}, "pipeline": {"stages": 2},
-       "checkpoint": {"every_steps": 0}, "eval": {"every_steps": 2, "samples": 6, "holdout": 0.25}}
+       "checkpoint": {"every_steps": 0}}
+HELD_OUT = {"holdout": {"every_steps": 2, "samples": 6, "holdout": 0.25},
+            "files": {"every_steps": 2, "samples": 6, "files": ["valid.txt"]}}
 
 
 def ctl(daemon, *args: str) -> subprocess.CompletedProcess[str]:
@@ -52,11 +58,17 @@ def scrape(address: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith("swarmd_trainer_")}
 
 
-def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, swarm_root: Path, kit) -> None:
+@pytest.mark.parametrize("source", sorted(HELD_OUT))
+def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, swarm_root: Path, kit,
+                                                                       source: str) -> None:
     torch.set_num_threads(1)
-    data, spec_path = kit.write_job(swarm_root, "evaluated", copies=1, seed=4, steps=STEPS, **JOB)
+    root = swarm_root / source
+    root.mkdir(mode=0o755)
+    data, spec_path = kit.write_job(root, "evaluated", copies=1, seed=4, steps=STEPS, eval=HELD_OUT[source], **JOB)
+    valid = root / "valid.txt"
+    valid.write_text(Path(csv.__file__).read_text())  # other text than the training data's
     spec = parse_toml(spec_path.read_text())
-    a, b = swarm.together(["ea", "eb"], env={"SWARMD_METRICS_LISTEN": "127.0.0.1:0"})
+    a, b = swarm.together([f"{source[0]}a", f"{source[0]}b"], env={"SWARMD_METRICS_LISTEN": "127.0.0.1:0"})
     submitted = ctl(a, "--json", "submit", "--trainers", "0", str(spec_path))
     assert submitted.returncode == EXIT_OK, submitted.stderr
     job_id = json.loads(submitted.stdout)["job"]
@@ -68,7 +80,12 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
                  60, "both stages served", interval=0.5)
     assert a.client.job(job_id)["eval_loss"] is None  # nothing evaluated yet
 
-    trained = ctl(a, "train", job_id, "--data", str(data))
+    if source == "files":
+        refused = ctl(a, "train", job_id, "--data", str(data))
+        assert refused.returncode != EXIT_OK and "eval.files: " in refused.stderr, refused
+        trained = ctl(a, "train", job_id, "--data", str(data), "--eval-data", str(valid))
+    else:
+        trained = ctl(a, "train", job_id, "--data", str(data))
     assert trained.returncode == EXIT_OK, trained.stderr
     kit.wait_for(lambda: kit.finished(a, job_id), 240, "training to finish", interval=0.5)
     job = a.client.job(job_id)
@@ -94,26 +111,25 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
     assert metrics['swarmd_trainer_evaluations_total{outcome="given_up"}'] == 0
 
     # swarmctl plot: the swarm's eval curve beside the baseline's, which evaluates the same samples.
-    plotted = ctl(a, "--json", "plot", job_id, "-o", str(swarm_root / "eval.png"), "--spec", str(spec_path))
+    plotted = ctl(a, "--json", "plot", job_id, "-o", str(root / "eval.png"), "--spec", str(spec_path))
     assert plotted.returncode == EXIT_OK, plotted.stderr
     summary = json.loads(plotted.stdout)
     print("plot summary:", summary)
     assert summary["swarm_eval_loss"] == job["eval_loss"]
     assert summary["baseline_eval_loss"] == pytest.approx(job["eval_loss"], rel=1e-4)  # parameters within 1e-5
-    assert (swarm_root / "eval.png").stat().st_size > 0
+    assert (root / "eval.png").stat().st_size > 0
 
     # The exported model of step 4, on the same held-out samples.
     for daemon in (a, b):
         kit.wait_for(lambda: len(daemon.client.status()["serving"]["stages"]) == 0, 60,
                      f"{daemon.name} to leave the job", interval=0.5)
-    out = swarm_root / "export"
+    out = root / "export"
     exported = ctl(a, "--json", "export", job_id, "-o", str(out), "--state-dir", str(b.socket.parent / "state"))
     assert exported.returncode == EXIT_OK, exported.stderr
     assert json.loads(exported.stdout)["step"] == STEPS
     model = load_model(out)
-    tokens = read_tokens(resolve_sources(spec.data, spec_path.parent))
-    held_out = TrainingData(TokenDataset(tokens, spec.data.seq_len, spec.model.config.vocab), spec.batch, spec.seed,
-                            spec.eval)
+    held_out = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, spec_path.parent,
+                                  evaluation=spec.eval)
     with torch.no_grad():
         batches = [held_out.eval_batch(i) for i in range(held_out.eval_batch_count())]
         loss = math.fsum(model(b.inputs, b.targets).item() for b in batches) / sum(len(b.sample_indices) for b in batches)
