@@ -171,9 +171,10 @@ def render(curves: Sequence[LossCurve], path: Path, title: str, marks: Sequence[
     trained = [c for c in curves if c.kind != "eval"]
     for curve, style in zip(trained, styles * (len(trained) // len(styles) + 1)):
         ax.plot(curve.samples, curve.losses, label=f"{curve.label}: final {curve.final_loss():.3f}", **style)
-    # Held-out curves: markers at each evaluation, the swarm's in orange, the baseline's hollow.
+    # Held-out curves: markers at each evaluation, the swarm's filled orange, the baseline's larger,
+    # hollow and dashed black on top (the two coincide when the swarm is exact).
     evals = [dict(color="tab:orange", lw=1.2, marker="o", ms=4),
-             dict(color="tab:orange", lw=1.0, ls="--", marker="o", ms=6, mfc="none")]
+             dict(color="black", lw=1.0, ls="--", marker="o", ms=8, mfc="none")]
     for curve, style in zip([c for c in curves if c.kind == "eval"], evals * len(curves)):
         ax.plot(curve.samples, curve.losses, label=f"{curve.label}: last {curve.final_loss():.3f}", **style)
     for i, x in enumerate(marks):
