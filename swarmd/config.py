@@ -427,6 +427,11 @@ class JobsSection:
         5.0, _float_kind(0.1),
         "how often the jobs index is read for jobs to join (jittered); a new job waits at most about this long",
     )
+    join_settle_s: float = setting(
+        2.0, _float_kind(0.0),
+        "between announcing the stage a daemon means to join and deciding again with the daemons that "
+        "announced meanwhile (they spread instead of piling onto one stage); a DHT store and read, under load",
+    )
     rejoin_wait_s: float = setting(
         300.0, _float_kind(0.0),
         "how long a restarted daemon looks for a job it served before forgetting it (gone or cancelled)",

@@ -109,6 +109,7 @@ def register(router: Router, daemon: DaemonView) -> None:
     async def job_list(req: Request) -> Message:
         with _job_errors():
             await daemon.jobs.refresh()
+            await daemon.jobs.read_progress_of_listed()
         return Message({"jobs": [j.summary() for j in daemon.jobs.jobs.values()]})
 
     async def job_get(req: Request) -> Message:

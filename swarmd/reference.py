@@ -52,7 +52,8 @@ class ReferenceTrainer:
         n = spec.pipeline.stages
         self.model = ComposedModel([build_initial_stage(spec.model.config, i, n, spec.seed, self.device,
                                                         spec.model.init, spec.model.init_digest) for i in range(n)])
-        self.optimizers = [StageOptimizer(stage, spec.optim, spec.steps) for stage in self.model.stages]
+        self.optimizers = [StageOptimizer(stage, spec.optim, spec.steps, offload=spec.compute.optimizer_offload)
+                           for stage in self.model.stages]
         # fp16: one scaler per stage, exactly as each stage of the swarm keeps its own.
         self.scalers = [LossScaler(spec.compute.loss_scale, spec.compute.growth_interval) for _ in range(n)] \
             if self.precision.scaled else []

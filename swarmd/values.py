@@ -42,7 +42,7 @@ from transport.pool import parse_address
 log = logging.getLogger(__name__)
 
 #: Metric reasons of the values this edge refuses (a closed set: each is a label value).
-VALUE_REFUSALS = ("bad_announcement", "bad_job_index", "bad_job_spec", "bad_job_end")
+VALUE_REFUSALS = ("bad_announcement", "bad_job_index", "bad_job_spec", "bad_job_end", "bad_job_progress")
 
 #: The peer states an announcement may carry ("stopping": a stage shutting down says so last).
 ANNOUNCED_STATES = ("serving", "joining", "draining", "stopping")
@@ -64,6 +64,8 @@ END_STATES = ("done", "cancelled")
 MAX_BY_CHARS = 200
 #: Bytes of an end record's value decoded at most (a real one takes under 300).
 MAX_END_BYTES = 1024
+#: Bytes of a progress record's value decoded at most (a real one takes under 100).
+MAX_PROGRESS_BYTES = 512
 
 
 class ValueRefused(ValueError):
@@ -125,6 +127,21 @@ class JobEnd:
 
     def as_dict(self) -> dict[str, Any]:
         return {"state": self.state, "step": self.step, "at": self.at, "by": self.by}
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """A job's progress as its submitter's daemon knows it (its own trainers' commits), published
+    so that `swarmctl jobs`/`job` on every daemon show the step, loss and rate the job is at."""
+
+    step: int
+    loss: float | None
+    samples_per_s: float
+    at: float  # wall time the submitter's daemon stored it
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb({"step": self.step, "loss": self.loss, "samples_per_s": self.samples_per_s,
+                              "at": self.at}, use_bin_type=True)
 
 
 # ------------------------------------------------------------------------------ schemas (pure)
@@ -228,6 +245,25 @@ def decode_end(value: bytes, steps: int) -> JobEnd:
     return JobEnd(state, step, float(at), by)
 
 
+def decode_progress(value: bytes, steps: int) -> JobProgress:
+    """Raises ValueRefused("bad_job_progress") naming what is wrong; `steps` is the job's spec's."""
+    if len(value) > MAX_PROGRESS_BYTES:
+        raise ValueRefused("bad_job_progress", f"{len(value)} bytes, over MAX_PROGRESS_BYTES ({MAX_PROGRESS_BYTES})")
+    fields = _unpack(value, "bad_job_progress", max_len=MAX_PROGRESS_BYTES, arrays=0, maps=8)
+    if not isinstance(fields, dict):
+        raise ValueRefused("bad_job_progress", "not a map")
+    step, loss, rate, at = (fields.get(k) for k in ("step", "loss", "samples_per_s", "at"))
+    if not _is_int(step, 0, steps):
+        raise ValueRefused("bad_job_progress", f"step {step!r} is not in 0..{steps}")
+    if loss is not None and not _is_real(loss):
+        raise ValueRefused("bad_job_progress", f"loss {loss!r} is not a finite number")
+    if not (_is_real(rate) and rate >= 0):
+        raise ValueRefused("bad_job_progress", f"samples_per_s {rate!r} is not a finite rate")
+    if not _is_real(at):
+        raise ValueRefused("bad_job_progress", f"at {at!r} is not a time")
+    return JobProgress(step, None if loss is None else float(loss), float(rate), float(at))
+
+
 # ------------------------------------------------------------------------------ the reader
 
 def stage_key(job_id: bytes, stage: int) -> bytes:
@@ -244,6 +280,10 @@ def spec_key(job_id: bytes) -> bytes:
 
 def end_key(job_id: bytes) -> bytes:
     return dht_key("job", job_id, "end")
+
+
+def progress_key(job_id: bytes) -> bytes:
+    return dht_key("job", job_id, "progress")
 
 
 class DHTValues:
@@ -289,6 +329,18 @@ class DHTValues:
             except ValueRefused as exc:
                 self._refuse(exc, record)
         return None
+
+    async def progress(self, job_id: bytes, submitter: bytes, steps: int) -> JobProgress | None:
+        """The progress the submitter signed; anyone else's record under the key is not read."""
+        progress = None
+        for record in (await self.dht.get(progress_key(job_id), latest=True)).values():
+            if record.public_key != submitter:
+                continue
+            try:
+                progress = decode_progress(record.value, steps)
+            except ValueRefused as exc:
+                self._refuse(exc, record)
+        return progress
 
     async def end(self, job_id: bytes, submitter: bytes, steps: int) -> tuple[JobEnd | None, list[bytes]]:
         """The end the submitter signed, and the peer ids of everyone else who stored one (forgers:

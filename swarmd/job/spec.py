@@ -221,6 +221,10 @@ class ComputeSpec:
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scale: float = INITIAL_SCALE  # fp16 only: each stage's starting scale
     growth_interval: int = GROWTH_INTERVAL  # fp16 only: clean steps before a stage doubles its scale
+    # The optimizer's state in host memory (pinned on a GPU), stepped there (StageOptimizer's
+    # `offload`): the same arithmetic, device memory for a bigger stage. The job's choice, so every
+    # peer of a stage steps its optimizer on the same kind of device.
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         if not MIN_SCALE <= self.loss_scale <= MAX_SCALE:

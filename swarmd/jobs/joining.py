@@ -18,7 +18,7 @@ or cancelled by its submitter) is forgotten after `jobs.rejoin_wait_s`, the time
 daemon needs to find the swarm again.
 
 The same loop ends what has ended: on the submitter it publishes the end of a job whose steps are
-all done (`JobRegistry.settle`), and on every daemon it leaves the stages of a job whose submitter
+all done (`JobRegistry.settle`) and, while it runs, its progress (`JobRegistry.publish_progress`), and on every daemon it leaves the stages of a job whose submitter
 signed its end (finished or cancelled): a final checkpoint, announcements withdrawn, the stage
 stopped and forgotten (`Serving.leave`). An ended job is never joined or rejoined.
 
@@ -54,9 +54,10 @@ REMEMBER_CHECK_S = 0.5
 #: and one identity may list 64. The least recently tried go first, so every job gets its turn.
 MAX_JOIN_TRIES_PER_TICK = 8
 #: A job whose join failed (its stage over `jobs.max_stage_memory`, a start that failed) is not tried
-#: again for this long, doubled per further failure up to JOIN_RETRY_MAX_S; its failure is logged at
-#: WARNING once, then at debug: a stranger's unservable jobs must not grow the log every tick.
-JOIN_RETRY_S = 10.0
+#: again for this many join intervals (10 s at the default 5 s), doubled per further failure up to
+#: JOIN_RETRY_MAX_S; its failure is logged at WARNING once, then at debug: a stranger's unservable
+#: jobs must not grow the log every tick.
+JOIN_RETRY_INTERVALS = 2
 JOIN_RETRY_MAX_S = 600.0
 #: Announced peer states as the join rule counts them; anything else is not counted.
 STATES = {"serving": SERVING, "joining": JOINING, "draining": DRAINING, "stopping": DRAINING}
@@ -71,29 +72,67 @@ def admits(rule: str | frozenset[str], job: Job) -> bool:
     return bool({job.spec.name, job.submitter.hex(), peer_id_of(job.submitter).hex()} & rule)
 
 
-def capacity_table(stages: list[dict[str, Any]]) -> StageTable:
-    """The join rule's view of a job from its `stage_peers` announcements: peers that answered a
-    call only (a "serving" one only if it said so when called), their claims bounded."""
-    counted = [(s["stage"], p, STATES[p["state"]]) for s in stages for p in s["peers"]
-               if p["reachable"] and p["state"] in STATES and (p["state"] != "serving" or p["serves"])]
-    # One row per (peer, stage): a daemon may serve two stages of a job.
+def _counted(stages: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], str]]:
+    """(stage, announcement, table state) for the peers that answered a call (a "serving" one only
+    if it said so when called): a record alone is a claim anyone can store."""
+    return [(s["stage"], p, STATES[p["state"]]) for s in stages for p in s["peers"]
+            if p["reachable"] and p["state"] in STATES and (p["state"] != "serving" or p["serves"])]
+
+
+def _rates(counted: list[tuple[int, dict[str, Any], str]]) -> tuple[list[bytes], dict[bytes, float], float]:
+    """One row per (peer, stage) (a daemon may serve two stages of a job), each claim bounded by
+    the others', and the speed an unmeasured peer counts at (the median measured one, else 1)."""
     rows = [bytes.fromhex(p["peer_id"]) + stage.to_bytes(4, "big") for stage, p, _ in counted]
     rates = bounded_speeds({row: p["samples_per_s"] for row, (_, p, _) in zip(rows, counted)})
     measured = [r for r in rates.values() if r > 0]
-    unmeasured = statistics.median(measured) if measured else 1.0
+    return rows, rates, statistics.median(measured) if measured else 1.0
+
+
+def capacity_table(stages: list[dict[str, Any]]) -> StageTable:
+    """The join rule's view of a job from its `stage_peers` announcements: peers that answered a
+    call only, their claims bounded, joining peers where they announced themselves."""
+    counted = _counted(stages)
+    rows, rates, unmeasured = _rates(counted)
     table = StageTable(len(stages))
     for row, (stage, _, state) in zip(rows, counted):
         table.put(PeerLoad(row, stage, rates[row] or unmeasured, state))
     return table
 
 
+def join_stage(stages: list[dict[str, Any]], me: bytes) -> int:
+    """The stage `me` joins: the join rule applied to every daemon joining the job now, one by one
+    in peer-id order, from the stages as they stand without them.
+
+    Why not simply count each joiner where it announced itself: daemons that decide within the
+    time an announcement takes to spread do not see each other and pile onto one stage (five
+    daemons started together put four on one stage of two, and the rebalancer is minutes away).
+    A joiner announces where it means to go, lets the others' announcements arrive, and decides
+    again with this rule (`Joining._join`); every joiner with the same view of who is joining
+    computes the same placement, whatever stages they first announced, so they spread as if they
+    had come one at a time. A joiner's announced stage is ignored here; a peer joining a stage for
+    the rebalancer (a move) is placed by the rule too, a small error the rebalancer corrects."""
+    counted = _counted(stages)
+    rows, rates, unmeasured = _rates(counted)
+    table = StageTable(len(stages))
+    joiners: set[bytes] = set()
+    for row, (stage, _, state) in zip(rows, counted):
+        if state == JOINING:
+            joiners.add(row[:-4])
+        else:
+            table.put(PeerLoad(row, stage, rates[row] or unmeasured, state))
+    for ahead in sorted(j for j in joiners if j < me):
+        stage = choose_join_stage(table, me=ahead)
+        table.put(PeerLoad(ahead + stage.to_bytes(4, "big"), stage, unmeasured, JOINING))
+    return choose_join_stage(table, me=me)
+
+
 class Joining:
     def __init__(self, registry: JobRegistry, serving: Any, memory: RememberedStages, *, peer_id: bytes,
                  serve: str | frozenset[str], max_stages: int, interval_s: float, rejoin_wait_s: float,
-                 supervisor: Supervisor | None = None) -> None:
+                 settle_s: float, supervisor: Supervisor | None = None) -> None:
         self.registry, self.serving, self.memory = registry, serving, memory
         self.peer_id, self.rule, self.max_stages = peer_id, serve, max_stages
-        self.interval_s, self.rejoin_wait_s = interval_s, rejoin_wait_s
+        self.interval_s, self.rejoin_wait_s, self.settle_s = interval_s, rejoin_wait_s, settle_s
         self.pending: dict[Key, float] = {}  # remembered, not rejoined yet -> monotonic deadline
         self.ticks = 0  # looks at the jobs index completed (tests wait on it instead of sleeping)
         self._saved: frozenset[Key] | None = None
@@ -134,6 +173,7 @@ class Joining:
     async def tick(self) -> None:
         await self.registry.refresh()
         await self.registry.settle()
+        self.registry.publish_progress()
         await self._leave_ended()
         await self._rejoin()
         if self.rule == "none":
@@ -197,34 +237,60 @@ class Joining:
         mine |= {stage for job_id, stage in self.pending if job_id == job.job_id}
         if mine and all(any(p["reachable"] for p in s["peers"]) for s in stages):
             return
-        stage = choose_join_stage(capacity_table(stages), me=self.peer_id)
+        stage = join_stage(stages, self.peer_id)
         if stage in mine:
             return
+        intent = self._intent(job, stage)
+        try:
+            # Let the announcements of daemons deciding at the same moment arrive, then place
+            # every joiner in peer-id order (`join_stage`): they spread instead of piling up.
+            await asyncio.sleep(self.settle_s)
+            settled = join_stage(await self.registry.stage_peers(job), self.peer_id)
+        except BaseException:
+            await asyncio.shield(self._drop(job, stage, intent))
+            raise
+        if settled != stage:
+            await self._drop(job, stage, intent)
+            if settled in mine:
+                return
+            log.debug("job %s: joining stage %d, not %d, beside the daemons joining with us",
+                      job.job_id.hex()[:16], settled, stage)
+            stage, intent = settled, self._intent(job, settled)
         failures = self._failed.get(job.job_id, (0, 0.0))[0]
-        if await self._serve(job, stage, "joined", quiet=failures > 0):
+        if await self._serve(job, stage, "joined", quiet=failures > 0, intent=intent):
             self._failed.pop(job.job_id, None)
         else:
-            wait = min(JOIN_RETRY_MAX_S, JOIN_RETRY_S * 2 ** min(failures, 20))
+            wait = min(JOIN_RETRY_MAX_S, JOIN_RETRY_INTERVALS * self.interval_s * 2 ** min(failures, 20))
             self._failed[job.job_id] = (failures + 1, time.monotonic() + wait)
 
-    async def _serve(self, job: Job, stage: int, how: str, quiet: bool = False) -> bool:
-        # Say "joining" in the stage's record before the seconds a start takes: daemons deciding
-        # meanwhile count this peer (as the join rule's `expected`) instead of piling onto the same
-        # stage. Trainers and stage-mates use only "serving" peers. Serving's own announcement of
-        # the same record replaces this one once the stage serves.
-        if (job.job_id, stage) in self.serving.served:
-            return True  # pinned by hand meanwhile; announcing now would replace its record
-        intent = self.registry.dht.announce(stage_key(job.job_id, stage), lambda: announcement_value(
+    def _intent(self, job: Job, stage: int) -> Any:
+        """Say "joining" in the stage's record before the seconds a start takes: daemons deciding
+        meanwhile count this peer instead of piling onto the same stage. Trainers and stage-mates use
+        only "serving" peers. Serving's own announcement of the same record replaces this one once
+        the stage serves."""
+        return self.registry.dht.announce(stage_key(job.job_id, stage), lambda: announcement_value(
             self.serving.address, {"samples_per_s": 0.0, "queue": 0, "step": 0, "state": "joining"}))
+
+    async def _drop(self, job: Job, stage: int, intent: Any) -> None:
+        """Withdraw a joining intent, unless the stage serves here after all (pinned by hand
+        meanwhile): its announcement, under the same key and subkey, replaced the intent, and a
+        withdrawal would tombstone it."""
+        if (job.job_id, stage) not in self.serving.served:
+            await self.registry.dht.withdraw(intent)
+
+    async def _serve(self, job: Job, stage: int, how: str, quiet: bool = False, intent: Any = None) -> bool:
+        if (job.job_id, stage) in self.serving.served:
+            return True  # pinned by hand meanwhile: its own announcement replaced our intent
+        intent = intent or self._intent(job, stage)
         try:
             await self.serving.serve(job.spec, job.job_id, stage)
         except asyncio.CancelledError:
-            await asyncio.shield(self.registry.dht.withdraw(intent))
+            await asyncio.shield(self._drop(job, stage, intent))
             raise
         except Exception as exc:  # noqa: BLE001 - a failed join is logged and tried again later
             log.log(logging.DEBUG if quiet else logging.WARNING, "could not serve stage %d of job %s (%s): %s",
                     stage, job.spec.name, job.job_id.hex()[:16], exc)
-            await self.registry.dht.withdraw(intent)
+            await self._drop(job, stage, intent)
             return False
         log.info("%s stage %d of job %s (%s)", how, stage, job.spec.name, job.job_id.hex()[:16])
         return True

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from swarmd.directory import StagePeer
-from swarmd.values import StageAnnouncement
+from swarmd.values import MAX_STEP, StageAnnouncement
 from transport.errors import RemoteError, TransportError
 from transport.message import Message
 
@@ -46,9 +47,23 @@ MAX_PROBES_AT_ONCE = 32
 class Probe:
     answered: bool  # the announced address proved the announced peer id and answered
     serving: bool  # ...and `stage.info` said it serves that stage
+    # What it answered of its step and rate (None: not answered, or out of schema). Fresher than
+    # its announcement, which is re-stored every DHT refresh (30 s): `swarmctl job` on any host
+    # showed `step 0, 0.0/s` for peers at step 18. Still the peer's own claims.
+    step: int | None = None
+    samples_per_s: float | None = None
 
 
 UNANSWERED = Probe(False, False)
+
+
+def answered(meta: Any) -> Probe:
+    """A `stage.info` answer, checked at this edge: a field out of the announcement's schema is dropped."""
+    meta = meta if isinstance(meta, dict) else {}
+    step, rate = meta.get("step"), meta.get("samples_per_s")
+    return Probe(True, meta.get("state") == "serving",
+                 step if type(step) is int and 0 <= step <= MAX_STEP else None,
+                 float(rate) if type(rate) in (int, float) and math.isfinite(rate) and rate >= 0 else None)
 
 
 class Prober:
@@ -101,5 +116,4 @@ class Prober:
             log.debug("stage %d peer %s at %s did not answer: %s", announced.stage, announced.peer_id.hex()[:16],
                       announced.addr, exc)
             return UNANSWERED
-        meta = reply.meta if isinstance(reply.meta, dict) else {}
-        return Probe(True, meta.get("state") == "serving")
+        return answered(reply.meta)

@@ -14,6 +14,11 @@ schemas, and the one place they are decoded, are in `swarmd.values`):
   key), so nobody else can end a job; a record anyone else stores there is refused and logged
   once. An ended job stays in its submitter's index, so every daemon learns it ended rather than
   only that it is gone.
+- `("job", job_id, "progress")`: the step, loss and samples/s the job is at, as the submitter's
+  daemon knows them from its trainers, re-stored when they change (at the join loop's pace, about
+  every `jobs.join_interval_s`). Only the submitter's record is read, as for the end: a daemon
+  that did not submit the job shows these in `swarmctl jobs`/`job` (read when asked, at most every
+  `PROGRESS_READ_S`) instead of `waiting, step 0`.
 
 Reading the index is bounded (`IndexLimits`, from `[jobs]`): a submitter's entry lists at most
 `max_ids_per_submitter` ids; one refresh looks up at most `lookups_per_refresh` specs and as many
@@ -41,7 +46,7 @@ from swarmd.job import DataSpec, JobSpec, SpecError
 from swarmd.job.spec import eval_data_spec
 from swarmd.job.opening import AccessDenied, Reader
 from swarmd.job.sources import GlobLimits, Sources, named_sources, resolve_sources
-from swarmd.values import DHTValues, JobEnd, encode_index, end_key, index_key, spec_key
+from swarmd.values import DHTValues, JobEnd, JobProgress, encode_index, end_key, index_key, progress_key, spec_key
 from transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
@@ -82,6 +87,11 @@ class JobRequestError(LocalError):
         self.code, self.message = code, message
 
 
+#: A daemon that did not submit a job reads its progress record at most this often (each `jobs` or
+#: `job` request reads it otherwise): one DHT read per job and period, asked for by a local user.
+PROGRESS_READ_S = 2.0
+
+
 @dataclass
 class Job:
     job_id: bytes
@@ -103,6 +113,7 @@ class Job:
     ended: JobEnd | None = None  # the swarm-wide end, signed by the submitter
     end_seen: asyncio.Event = field(default_factory=asyncio.Event)  # set once `ended` is
     end_checked_at: float = 0.0  # monotonic time its end record was last looked up
+    progress_read_at: float = -PROGRESS_READ_S  # monotonic time its progress record was last read
 
     def event(self, kind: str, message: str, **fields: Any) -> None:
         self.events.append({"ts": time.time(), "kind": kind, "step": self.step, "loss": self.loss,
@@ -141,6 +152,8 @@ class JobRegistry:
         self.jobs: dict[bytes, Job] = {}
         self.refused: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # job id -> submitter
         self._announcements: list[Any] = []
+        self._progress: dict[bytes, Any] = {}  # job id -> its progress announcement (jobs submitted here)
+        self._progress_sent: dict[bytes, tuple] = {}  # job id -> (step, loss, samples/s) last stored
         self._index = None
         self.listed: set[bytes] = set()  # job ids in the `jobs` index at the last refresh
         self._unlisted: dict[bytes, float] = {}  # learned job id -> when the index stopped listing it
@@ -235,15 +248,47 @@ class JobRegistry:
         # job at once rather than at the index's next refresh.
         self._index = self.dht.announce(index_key(), self._index_value)
 
+    def publish_progress(self) -> None:
+        """Re-store the progress record of each job submitted here whose step, loss or rate changed
+        (announcing the same key again stores it now); the join loop calls this every tick."""
+        for job in (j for j in self.jobs.values() if j.local and j.ended is None):
+            now = (job.step, job.loss, job.samples_per_s)
+            if job.step == 0 or self._progress_sent.get(job.job_id) == now:
+                continue
+            self._progress_sent[job.job_id] = now
+            value = JobProgress(job.step, job.loss, job.samples_per_s, time.time()).to_msgpack()
+            self._progress[job.job_id] = self.dht.announce(progress_key(job.job_id), lambda v=value: v)
+
+    async def read_progress(self, job: Job) -> None:
+        """For a job submitted elsewhere that no trainer here is ahead in: take the step, loss and
+        rate its submitter published (at most every PROGRESS_READ_S)."""
+        if job.local or job.ended is not None or time.monotonic() - job.progress_read_at < PROGRESS_READ_S:
+            return
+        job.progress_read_at = time.monotonic()
+        progress = await self.values.progress(job.job_id, job.submitter, job.spec.steps)
+        if progress is None or progress.step < job.step:
+            return
+        job.step, job.loss, job.samples_per_s = progress.step, progress.loss, progress.samples_per_s
+        if job.state == "waiting":
+            job.state = "running"
+
+    async def read_progress_of_listed(self) -> None:
+        """`swarmctl jobs`: the progress of the listed jobs submitted elsewhere, the least recently
+        read first, at most `lookups_per_refresh` reads (a stranger's many jobs cost no more)."""
+        due = [j for j in self.jobs.values() if not j.local and j.ended is None and j.job_id in self.listed]
+        due.sort(key=lambda j: j.progress_read_at)
+        await asyncio.gather(*(self.read_progress(j) for j in due[:self.index_limits.lookups_per_refresh]))
+
     def _index_value(self) -> bytes:
         # Ended jobs stay listed: readers then find their end record and show how they ended.
         return encode_index([j.job_id for j in self.jobs.values() if j.local])
 
     async def withdraw(self) -> None:
         """Drain: take our specs and index entry out of the DHT."""
-        for ann in [*self._announcements, *([self._index] if self._index else [])]:
+        for ann in [*self._announcements, *self._progress.values(), *([self._index] if self._index else [])]:
             await self.dht.withdraw(ann)
         self._announcements, self._index = [], None
+        self._progress.clear()
 
     # ------------------------------------------------------------------ discovery
 
@@ -364,8 +409,11 @@ class JobRegistry:
             peers = []
             for a in found:
                 probe = probes.get((a.peer_id, index))
-                peers.append({"peer_id": a.peer_id.hex(), "address": a.addr, "samples_per_s": a.samples_per_s,
-                              "queue": a.queue, "step": a.step, "state": a.state,
+                # What the peer answered when probed (seconds old at most) over its announcement (30 s).
+                step = a.step if probe is None or probe.step is None else probe.step
+                rate = a.samples_per_s if probe is None or probe.samples_per_s is None else probe.samples_per_s
+                peers.append({"peer_id": a.peer_id.hex(), "address": a.addr, "samples_per_s": rate,
+                              "queue": a.queue, "step": step, "state": a.state,
                               "reachable": True if probe is None else probe.answered,
                               "serves": a.state == "serving" if probe is None else probe.serving})
             stages.append({"stage": index, "peers": peers})
@@ -431,6 +479,7 @@ class JobRegistry:
     async def describe(self, job: Job) -> dict[str, Any]:
         if job.ended is None and not job.local:
             await self.check_end(job)
+            await self.read_progress(job)
         stages = await self.stage_peers(job)
         # A peer only announcing "joining" (automatic joining says so before it starts) or
         # "draining" takes no work yet, and one that did not answer a call serves nobody: its

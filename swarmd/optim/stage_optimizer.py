@@ -58,14 +58,29 @@ def build_optimizer(named_parameters: Iterable[tuple[str, nn.Parameter]], optim:
 
 
 class StageOptimizer:
-    """The optimizer, its LR schedule and clipping for one stage module; `step_count` steps taken."""
+    """The optimizer, its LR schedule and clipping for one stage module; `step_count` steps taken.
 
-    def __init__(self, module: nn.Module, optim: OptimSpec, total_steps: int) -> None:
+    `offload` (`[compute] optimizer_offload`, the paper's setting): the optimizer's state (AdamW's
+    two moments: twice the parameters) lives in host memory, pinned when the parameters are on a
+    GPU, so the device holds only parameters, gradients and activations. The optimizer steps host
+    copies of the parameters: each step copies the parameters and gradients to the host, steps
+    there and copies the parameters back. The host copies are refreshed from the module every step
+    rather than kept as the truth, so whatever loads parameters into the module (a downloaded state,
+    a checkpoint) needs no hook here. The arithmetic is the same either way (bitwise on one
+    device), and the state's layout too: a snapshot moves between offloading and other peers."""
+
+    def __init__(self, module: nn.Module, optim: OptimSpec, total_steps: int, offload: bool = False) -> None:
         self.module = module
         self.spec = optim
         self.total_steps = total_steps
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(module.named_parameters(), optim)
+        self.offload = offload
+        if offload:
+            self.host = {id(p): _host_copy(p) for p in self.params}
+            named = [(name, self.host[id(p)]) for name, p in module.named_parameters() if p.requires_grad]
+            self.optimizer = build_optimizer(named, optim)
+        else:
+            self.optimizer = build_optimizer(module.named_parameters(), optim)
         self.step_count = 0
 
     @property
@@ -79,11 +94,19 @@ class StageOptimizer:
         step, and clear the gradients; a non-finite gradient raises before anything changes."""
         if sample_count < 1:
             raise ValueError(f"sample_count must be at least 1, got {sample_count}")
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        if not any(p.grad is not None for p in self.params):
             raise ValueError("no gradients accumulated for this step")
+        if self.offload:
+            self._to_host()
+            stepped = [self.host[id(p)] for p in self.params]
+        else:
+            stepped = self.params
+        grads = [p.grad for p in stepped if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
         if not math.isfinite(norm):
+            if self.offload:
+                for p in stepped:
+                    p.grad = None  # the module's own gradients stay, as without offload
             raise NonFiniteGradient(f"gradient norm is {norm} at step {self.step_count}")
         norm /= sample_count
         scale = 1.0 / sample_count
@@ -97,6 +120,25 @@ class StageOptimizer:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.offload:
+            for p in self.params:
+                p.copy_(self.host[id(p)])  # blocking: the next batch computes with these
+                p.grad = None
         report = StepReport(self.step_count, lr, norm, clipped)
         self.step_count += 1
         return report
+
+    def _to_host(self) -> None:
+        """The module's parameters and gradients into the host copies the optimizer steps."""
+        for p in self.params:
+            host = self.host[id(p)]
+            host.copy_(p.detach())
+            host.grad = None if p.grad is None else p.grad.detach().to(host.device, copy=True)
+
+
+def _host_copy(param: torch.Tensor) -> torch.Tensor:
+    """A host tensor for `param`, pinned when it lives on a GPU (page-locked: copies at full bus
+    speed); a leaf that requires grad, as the parameter, so the optimizer's groups take it."""
+    host = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=param.is_cuda)
+    host.copy_(param.detach())
+    return host.requires_grad_(param.requires_grad)

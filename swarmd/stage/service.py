@@ -204,7 +204,8 @@ class StageService:
         model = self.spec.model
         self.stage = build_initial_stage(model.config, self.stage_index, self.spec.pipeline.stages, self.spec.seed,
                                          self.device, model.init, model.init_digest)
-        self.opt = StageOptimizer(self.stage, self.spec.optim, self.spec.steps)
+        self.opt = StageOptimizer(self.stage, self.spec.optim, self.spec.steps,
+                                  offload=self.spec.compute.optimizer_offload)
         self.params = self.opt.params
         self.numel = sum(p.numel() for p in self.params)
         self.guard = ParamGuard()

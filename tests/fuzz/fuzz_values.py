@@ -17,8 +17,9 @@ from fuzz_targets import NOW, _msgpack_bound
 from swarmd.dht.records import sign_record
 from swarmd.job.spec import parse_toml
 from swarmd.values import (
-    VALUE_REFUSALS, DHTValues, JobEnd, StageAnnouncement, ValueRefused, announcement_value, decode_announcement,
-    decode_end, decode_index, decode_spec, end_key, index_key, spec_key, stage_key,
+    VALUE_REFUSALS, DHTValues, JobEnd, JobProgress, StageAnnouncement, ValueRefused, announcement_value,
+    decode_announcement, decode_end, decode_index, decode_progress, decode_spec, end_key, index_key, progress_key,
+    spec_key, stage_key,
 )
 from transport.identity import Identity
 
@@ -95,6 +96,19 @@ def run_end(data: bytes) -> bool | None:
     return None
 
 
+def run_progress(data: bytes) -> bool | None:
+    try:
+        progress = decode_progress(data, STEPS)
+    except ValueRefused:
+        progress = None
+    if progress is not None and not (0 <= progress.step <= STEPS and progress.samples_per_s >= 0):
+        raise InvariantBroken(f"an accepted progress record is out of its schema: {progress}")
+    read, _ = _through_reader(progress_key(JOB), data, lambda v: v.progress(JOB, _SIGNER.public_key, STEPS))
+    if read != progress:
+        raise InvariantBroken(f"the reader and the decoder disagree: {read} vs {progress}")
+    return None
+
+
 def run_spec(data: bytes) -> bool | None:
     """A published spec: the job id is the one the seed hashes to, so only an intact spec passes."""
     try:
@@ -130,6 +144,11 @@ def _end_seeds() -> list[bytes]:
     return [JobEnd("done", 4, NOW, "its trainers").to_msgpack(), JobEnd("cancelled", 0, NOW, "x" * 200).to_msgpack()]
 
 
+def _progress_seeds() -> list[bytes]:
+    return [JobProgress(3, 2.5, 10.0, NOW).to_msgpack(), JobProgress(0, None, 0.0, NOW).to_msgpack(),
+            _pack({"step": 1, "loss": float("nan"), "samples_per_s": 1.0, "at": NOW})]
+
+
 def _spec_seeds() -> list[bytes]:
     return [_SPEC.to_msgpack(), parse_toml(_MINIMAL.replace("steps = 1", "steps = 2")).to_msgpack()]
 
@@ -139,5 +158,7 @@ ANNOUNCEMENT = Target("value_announcement", run_announcement, (), _msgpack_bound
 INDEX = Target("value_index", run_index, (), _msgpack_bound, _index_seeds,
                "swarmd.values.decode_index and DHTValues.index")
 END = Target("value_end", run_end, (), _msgpack_bound, _end_seeds, "swarmd.values.decode_end and DHTValues.end")
+PROGRESS = Target("value_progress", run_progress, (), _msgpack_bound, _progress_seeds,
+                  "swarmd.values.decode_progress and DHTValues.progress")
 SPEC = Target("value_spec", run_spec, (), _msgpack_bound, _spec_seeds, "swarmd.values.decode_spec and DHTValues.spec")
-VALUE_TARGETS: dict[str, Target] = {t.name: t for t in (ANNOUNCEMENT, INDEX, END, SPEC)}
+VALUE_TARGETS: dict[str, Target] = {t.name: t for t in (ANNOUNCEMENT, INDEX, END, PROGRESS, SPEC)}

@@ -82,6 +82,11 @@ def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, s
 
     running = kit.wait_for(lambda: (lambda j: j if j["step"] >= 1 else None)(trainer.client.job(job_id)), 240,
                            "training to commit a step with automatically joined stages")
+    # Watched from a daemon that did not submit the job: the submitter's progress (before: `waiting`,
+    # step 0, loss None while it trained).
+    seen = kit.wait_for(lambda: (lambda j: j if j["step"] >= 1 and j["loss"] is not None else None)(
+        servers[0].client.job(job_id)), 60, "a daemon that did not submit the job to show its step and loss")
+    assert seen["state"] in ("running", "done") and seen["samples_per_s"] > 0
     served = {d.name: d.client.status()["serving"]["stages"] for d in servers}
     print("served:", served)
     # Usually one stage each; two daemons that decided at the same moment may share one, and then
@@ -117,9 +122,11 @@ def test_serve_all_daemons_join_every_stage_and_a_restarted_one_rejoins(swarm, s
 
 
 def test_a_restarted_daemon_forgets_a_cancelled_job(swarm, swarm_root: Path, swarmctl, kit) -> None:
-    """Steps: a daemon pins stage 0 of a job by hand (remembered), the submitter cancels the job,
-    the stage's daemon is SIGKILLed and restarted. Expected: it does not rejoin (the job left its
-    submitter's index), and after `jobs.rejoin_wait_s` its served-stages file no longer lists it."""
+    """Steps: a daemon pins stage 0 of a job by hand (remembered) and is SIGKILLed, the submitter
+    cancels the job, the daemon is restarted. Expected: it does not rejoin, and after
+    `jobs.rejoin_wait_s` its served-stages file no longer lists it. (Killed before the cancel: killed
+    after it, the daemon could learn the end at a join tick in between and leave the stage itself,
+    with nothing left to forget after the restart.)"""
     _, spec_path = kit.write_job(swarm_root, "cancelled", copies=1, seed=3, steps=STEPS)
     submitter = swarm.start("cs")
     server = swarm.start("cv", "--bootstrap", submitter.status["announce"], env={"SWARMD_JOBS_REJOIN_WAIT_S": "3"})
@@ -128,9 +135,9 @@ def test_a_restarted_daemon_forgets_a_cancelled_job(swarm, swarm_root: Path, swa
     assert swarmctl("--socket", str(server.socket), "serve", job_id, "--stage", "0").returncode == 0
     memory = swarm_root / "cv" / "state" / "served-stages.json"
     kit.wait_for(lambda: memory.exists() and json.loads(memory.read_text())["stages"], 10, "the stage remembered")
-    assert swarmctl("--socket", str(submitter.socket), "cancel", job_id).returncode == 0
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(timeout=30)
+    assert swarmctl("--socket", str(submitter.socket), "cancel", job_id).returncode == 0
     restarted = swarm.restart(server)
     kit.wait_for(lambda: json.loads(memory.read_text())["stages"] == [], 60, "the cancelled job to be forgotten")
     assert restarted.client.status()["serving"]["stages"] == []

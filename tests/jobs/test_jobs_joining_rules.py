@@ -11,7 +11,7 @@ import pytest
 from swarmd.cli import parser
 from swarmd.config import ConfigError
 from swarmd.config import load as load_config
-from swarmd.jobs.joining import admits, capacity_table
+from swarmd.jobs.joining import admits, capacity_table, join_stage
 from swarmd.jobs.remembered import FILE_NAME, RememberedStages
 from swarmd.rebalance.policy import choose_join_stage
 from transport.identity import Identity
@@ -76,6 +76,29 @@ def test_only_peers_that_answered_count_and_a_claim_is_bounded_by_the_others() -
     from swarmd.rebalance.table import CLAIM_FACTOR
     stages = [stage(0, ("ee", 1e12, "serving")), stage(1, ("aa", 5.0, "serving"), ("bb", 5.0, "serving"))]
     assert capacity_table(stages).expected == [5.0 * CLAIM_FACTOR, 10.0]
+
+
+def test_daemons_joining_at_once_spread_as_if_they_came_one_at_a_time() -> None:
+    """The auto-join chaos test once had four of five daemons on one stage of two: three decided in
+    the same instant, each counting only the first stage's server. Placing every announced joiner in
+    peer-id order, whatever stage it first announced, gives all of them one placement."""
+    ids = [bytes([i]) * 32 for i in range(1, 5)]
+
+    def view(announced: dict[bytes, int]) -> list[dict]:
+        stages = [stage(0, ("00", 3.0, "serving")), stage(1)]
+        for pid, where in announced.items():
+            stages[where]["peers"].append({"peer_id": pid.hex(), "samples_per_s": 0.0, "state": "joining",
+                                           "reachable": True, "serves": False})
+        return stages
+
+    for first in ({i: 0 for i in ids}, {i: 1 for i in ids}, dict(zip(ids, (0, 1, 0, 1)))):
+        placed = [join_stage(view(first), me) for me in ids]
+        # Every peer counts 3.0 (the unmeasured ones at the measured median): 5 peers split 2/3 or 3/2.
+        assert sorted((1 + placed.count(0), placed.count(1))) == [2, 3], (first, placed)
+        # Each daemon's own announcement moved to where it decided: the placement stands.
+        assert [join_stage(view(dict(zip(ids, placed))), me) for me in ids] == placed
+    # Alone (nobody else announced), a daemon decides as the plain join rule does.
+    assert join_stage(view({}), ids[0]) == choose_join_stage(capacity_table(view({})), me=ids[0]) == 1
 
 
 def test_remembered_stages_round_trip_and_damage(tmp_path) -> None:

@@ -56,3 +56,44 @@ async def test_a_peer_counts_only_once_it_answered_as_itself() -> None:
         await pool.close()
         for server in servers:
             await server.close()
+
+
+def test_an_answer_carries_the_peers_step_and_rate_checked_at_the_edge() -> None:
+    """`swarmctl job` on a host that did not submit showed every stage peer at the step and rate of
+    its announcement (re-stored every 30 s: `step 0, 0.0/s` at step 18); the probe's `stage.info`
+    answer is seconds old, so it is what a peer row shows. A value out of the schema is dropped."""
+    from swarmd.jobs.probing import answered
+    from swarmd.values import MAX_STEP
+
+    live = answered({"state": "serving", "step": 18, "samples_per_s": 42.5})
+    assert (live.answered, live.serving, live.step, live.samples_per_s) == (True, True, 18, 42.5)
+    for bad_step, bad_rate in ((-1, -3.0), ("18", float("nan")), (True, float("inf")), (MAX_STEP + 1, "fast"),
+                               (18.0, None)):
+        probe = answered({"state": "serving", "step": bad_step, "samples_per_s": bad_rate})
+        assert probe.serving and probe.step is None and probe.samples_per_s is None
+    assert answered(["not", "a", "map"]) == answered({}) and not answered({}).serving
+
+
+async def test_stage_rows_show_what_peers_answered_over_their_announcements() -> None:
+    from types import SimpleNamespace
+
+    from swarmd.jobs.probing import Probe
+    from swarmd.jobs.registry import Job, JobRegistry
+
+    peers = [Identity.generate().peer_id for _ in range(3)]
+    found = [StageAnnouncement(pid, 0, f"127.0.0.1:{9 + i}", 0.0, 0, 0, "serving", math.inf)
+             for i, pid in enumerate(peers)]
+
+    class Announced:
+        async def announcements(self, job_id, stage, latest=True):
+            return list(found)
+
+    class Probed:  # answered at step 18 and 5.0/s; answered out of schema; not answered
+        async def check_all(self, job_id, announcements):
+            verdicts = [Probe(True, True, 18, 5.0), Probe(True, True, None, None), Probe(False, False)]
+            return {(a.peer_id, a.stage): v for a, v in zip(announcements, verdicts)}
+
+    registry = JobRegistry(None, None, values=Announced(), prober=Probed())
+    job = Job(JOB, SimpleNamespace(pipeline=SimpleNamespace(stages=1)), b"s" * 32, local=False)
+    rows = (await registry.stage_peers(job))[0]["peers"]
+    assert [(r["step"], r["samples_per_s"]) for r in rows] == [(18, 5.0), (0, 0.0), (0, 0.0)]

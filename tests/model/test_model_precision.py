@@ -41,10 +41,13 @@ def test_spec_section_bounds_and_canonical_form(corpus):
     assert spec(corpus, "bf16").compute.dtype == "bf16"
     assert spec(corpus, "fp32").to_dict().get("compute") is None  # the default is left out: ids unchanged
     assert spec(corpus, "fp16").to_dict()["compute"]["dtype"] == "fp16"
+    assert spec(corpus, "fp32", optimizer_offload=True).to_dict()["compute"]["optimizer_offload"] is True
     for bad, field in [({"dtype": "fp8"}, "compute.dtype"), ({"loss_scale": 0.5}, "compute.loss_scale"),
                        ({"loss_scale": 2.0 ** 30}, "compute.loss_scale"),
                        ({"growth_interval": 0}, "compute.growth_interval"),
-                       ({"growth_interval": 10 ** 7}, "compute.growth_interval"), ({"nope": 1}, "compute.nope")]:
+                       ({"growth_interval": 10 ** 7}, "compute.growth_interval"), ({"nope": 1}, "compute.nope"),
+                       ({"optimizer_offload": "yes"}, "compute.optimizer_offload"),
+                       ({"optimizer_offload": 1}, "compute.optimizer_offload")]:
         with pytest.raises(SpecError) as info:
             spec(corpus, "fp32", **bad) if "dtype" not in bad else spec(corpus, bad["dtype"])
         assert info.value.field == field

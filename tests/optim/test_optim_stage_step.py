@@ -146,3 +146,46 @@ def test_state_from_another_stage_or_optimizer_is_refused():
     bad = OptimizerState({**state.tensors, "0/exp_avg": torch.zeros(3, 3)}, state.meta)
     with pytest.raises(OptimizerStateError, match="shape"):
         import_state(StageOptimizer(first, OptimSpec(name="adamw"), total_steps=10), bad)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+def test_an_offloaded_optimizer_steps_exactly_as_one_on_the_device(name):
+    """`[compute] optimizer_offload`: the state on the host, stepped on host copies of the
+    parameters. On CPU (no GPU here: the pinned copy is the CUDA path's one difference, covered by
+    scripts/gpu-check.sh) the parameters after 4 steps equal bitwise the plain optimizer's, the
+    state's layout is the same (a snapshot moves between the two), a state loaded into the module
+    from elsewhere is what the next step starts from, and no gradient is left on the module."""
+    spec = OptimSpec(name=name, lr=1e-2, warmup_steps=1, clip_norm=0.05)  # clipping on as well
+    plain, offloaded = build_stage(CONFIG, 0, 2, seed=1), build_stage(CONFIG, 0, 2, seed=1)
+    opt_plain = StageOptimizer(plain, spec, total_steps=10)
+    opt_off = StageOptimizer(offloaded, spec, total_steps=10, offload=True)
+    train_a_little(opt_plain, plain, 4)
+    train_a_little(opt_off, offloaded, 4)
+    for (n, a), (_, b) in zip(plain.named_parameters(), offloaded.named_parameters()):
+        assert torch.equal(a, b), n
+        assert b.grad is None, n
+    host_state = {id(t) for t in opt_off.optimizer.state}
+    assert host_state and not host_state & {id(p) for p in offloaded.parameters()}  # not the module's
+    state = export_state(opt_off)
+    assert {k: v.shape for k, v in state.tensors.items()} == {k: v.shape for k, v in export_state(opt_plain).tensors.items()}
+
+    # A downloaded state lands in the module and the offloading optimizer (as apply_snapshot does).
+    fresh = build_stage(CONFIG, 0, 2, seed=2)
+    opt_fresh = StageOptimizer(fresh, spec, total_steps=10, offload=True)
+    fresh.load_state_dict(plain.state_dict())
+    import_state(opt_fresh, export_state(opt_plain))
+    train_a_little(opt_plain, plain, 1)
+    train_a_little(opt_fresh, fresh, 1)
+    for (n, a), (_, b) in zip(plain.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_an_offloaded_optimizer_refuses_a_non_finite_gradient_and_changes_nothing():
+    stage = build_stage(CONFIG, 0, 2, seed=1)
+    opt = StageOptimizer(stage, OptimSpec(name="adamw"), total_steps=10, offload=True)
+    before = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    for p in stage.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(NonFiniteGradient):
+        opt.step(2)
+    assert all(torch.equal(before[n], p) for n, p in stage.named_parameters()) and opt.step_count == 0
