@@ -85,3 +85,40 @@ async def test_an_evaluation_that_cannot_be_had_is_given_up_not_fatal(tmp_path, 
     result = events[1].evaluation
     assert result is not None and result.loss is None and result.samples == 0
     assert "max_attempts" in result.why, result
+
+
+async def test_a_peer_answering_another_version_is_banned_and_the_evaluation_exact(tmp_path, tiny_job, swarm, pools,
+                                                                                   kit):
+    """Steps: 2 stages, stage 1 with two peers of which one answers stage.evaluate as if for the
+    next version (its own loss, its version field one ahead); one trainer, 4 steps, [eval] every
+    2. Expected: the trainer asks both peers of stage 1 (evaluation batches go out concurrently and
+    the wiring spreads them), bans the liar naming the version, redoes its batches on the honest
+    peer, and both evaluations equal the reference's (1e-5 relative); training completes."""
+    from transport.rpc import Message
+
+    spec, data = with_eval(tmp_path, tiny_job, optim="sgd", lr=0.1, stages=2)
+    swarm_ = await swarm(spec, peers_per_stage=1)
+    liar = await swarm_.add_peer(1, bytes([1, 9]) * 16)
+    honest_evaluate = liar.service.evaluate
+    asked = []
+
+    async def lie(req):
+        asked.append(req.meta["version"])
+        reply = await honest_evaluate(req)
+        return Message({**reply.meta, "version": reply.meta["version"] + 1}, reply.tensors, codec="none")
+
+    liar.service.evaluate = lie
+    (pool,) = pools(1)
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pool, data, config=kit.TRAINER_CONFIG)
+    events = await asyncio.wait_for(trainer.run(0, 4), timeout=120)
+    assert asked, "the liar was never asked"
+    bans = [b for b in trainer.banned_peers if b.peer_id == liar.peer_id.hex()]
+    assert len(bans) == 1 and "answered version" in bans[0].reason, trainer.banned_peers
+    reference = ReferenceTrainer(spec, data)
+    for event in events:
+        reference.train_step()
+        if event.evaluation is not None:
+            want = reference.evaluate()
+            assert event.evaluation.loss is not None, event.evaluation
+            assert abs(event.evaluation.loss - want) <= 1e-5 * abs(want)
+    assert [e.evaluation.version for e in events if e.evaluation is not None] == [2, 4]
