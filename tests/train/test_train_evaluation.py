@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from waiting import until
 
 from swarmd.job import load_spec, open_training_data
 from swarmd.reference import ReferenceTrainer
@@ -122,3 +123,31 @@ async def test_a_peer_answering_another_version_is_banned_and_the_evaluation_exa
             assert event.evaluation.loss is not None, event.evaluation
             assert abs(event.evaluation.loss - want) <= 1e-5 * abs(want)
     assert [e.evaluation.version for e in events if e.evaluation is not None] == [2, 4]
+
+
+async def test_with_delayed_updates_each_evaluation_is_of_its_own_step(tmp_path, tiny_job, swarm, pools, kit):
+    """Steps: 2 stages x 2 peers, 2 trainers, delayed_updates = true (step s+1's microbatches are
+    out while step s commits, so a stage may commit s+1 during the evaluation of s+1's version and
+    answer it from the parameters it kept); 6 steps, [eval] every 2. Expected: evaluations of
+    versions 2, 4 and 6 all go through with every sample; the last one, evaluated again once every
+    peer is idle at step 6, gives the same loss bit for bit (the reference cannot check delayed
+    updates: it trains without the one-step lag)."""
+    spec, data = with_eval(tmp_path, tiny_job, optim="sgd", lr=0.1, stages=2, delayed=True, steps=6)
+    swarm_ = await swarm(spec, peers_per_stage=2)
+    events = []
+    trainers = [Trainer(spec, kit.JOB_ID, swarm_.directory, pool, data, shard=k, shards=2,
+                        config=kit.TRAINER_CONFIG, on_event=events.append) for k, pool in enumerate(pools(2))]
+    results = await asyncio.wait_for(asyncio.gather(*(t.run(0, 6) for t in trainers)), timeout=120)
+    evaluated = [e.evaluation for e in results[0] if e.evaluation is not None]
+    assert [r.version for r in evaluated] == [2, 4, 6]
+    assert all(r.loss is not None and r.samples == 10 for r in evaluated), evaluated
+    # Once every peer is at step 6 and idle, the same version evaluated again gives the same loss.
+    from swarmd.train.evaluation import Evaluation, EvaluationConfig
+
+    await until(lambda: all(peer.service.committed == 6 for peer in swarm_.peers), 10, "every peer at step 6")
+    (pool,) = pools(1)
+    again = Evaluation(spec, kit.JOB_ID, pool, trainers[0].wiring, data, EvaluationConfig(), lambda *a: None)
+    from swarmd.train.replies import stage_shapes
+
+    result = await again.run(6, stage_shapes(spec))
+    assert result.loss == evaluated[-1].loss
