@@ -30,7 +30,8 @@ from swarmd.model.precision import Precision, PrecisionError
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
-from swarmd.stage.compute import BACKWARD, EVALUATE, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous, StageCompute, Work
+from swarmd.stage.compute import (BACKWARD, EVALUATE, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous,
+                                  StageCompute, Work)
 from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan, StageCore, initial_digest,
                                jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready

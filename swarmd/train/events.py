@@ -34,10 +34,6 @@ class StepEvent:
     # is None when it was given up (`why` says why).
     evaluation: EvalResult | None = None
 
-    @property
-    def eval_loss(self) -> float | None:
-        return None if self.evaluation is None else self.evaluation.loss
-
 
 @dataclass(frozen=True)
 class StatusEvent:
