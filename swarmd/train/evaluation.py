@@ -14,6 +14,11 @@ An evaluation is worth a few retries, never a stalled or failed job: a call that
 goes to another (a bad reply or a protocol error bans the peer, as in training), and after
 `max_attempts` failures of one call, or once a stage has gone two steps past v (`stale_step`:
 nobody holds v's parameters any more), the evaluation is given up and reported without a loss.
+
+Answers are second-guessed as training forwards are (`TrainerConfig.verify_fraction`, seeded):
+a call is recomputed on another peer of the stage, two that disagree beyond `verify_rtol` are
+settled by a third and the outvoted peer is banned; when nobody settles it the evaluation is given
+up rather than reported with a loss a liar may have made.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,10 +38,13 @@ from swarmd.directory import StagePeer
 from swarmd.job.data import EvalBatch, TrainingData
 from swarmd.job.spec import JobSpec
 from swarmd.model import TensorSpec
-from swarmd.train.replies import StageShapes, check_forward
+from swarmd.train.replies import StageShapes, check_forward, disagreement
 from swarmd.train.wiring import Kind, Wiring
 from transport.errors import ConnectionLost, DeadlineExceeded, LocalProtocolError, ProtocolError, RemoteError
 from transport.rpc import CODE_DEADLINE, CODE_OVERLOADED, Message
+
+if TYPE_CHECKING:
+    from swarmd.train.trainer import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +93,11 @@ Ban = Callable[[int, StagePeer, str], None]
 
 class Evaluation:
     def __init__(self, spec: JobSpec, job_id: bytes, pool, wiring: Wiring, data: TrainingData,
-                 config: EvaluationConfig, ban: Ban) -> None:
+                 trainer_config: "TrainerConfig", ban: Ban) -> None:
         self.spec, self.job_id, self.pool, self.wiring, self.data = spec, job_id, pool, wiring, data
-        self.config = config
+        self.config: EvaluationConfig = trainer_config.evaluation
+        self.verify_fraction, self.verify_rtol = trainer_config.verify_fraction, trainer_config.verify_rtol
+        self._verify_rng = random.Random(f"evaluation verify {trainer_config.wiring.seed}")
         self._ban = ban
         self.num_stages = spec.pipeline.stages
 
@@ -126,13 +138,60 @@ class Evaluation:
         for stage in range(self.num_stages - 1):
             out = shapes[stage].output
             expected = TensorSpec((len(batch.sample_indices), *out.shape[1:]), out.dtype)
-            reply = await self._call(stage, version, batch, [x], lambda r: check_forward(r, expected))
+            reply = await self._verified(stage, version, batch, [x], lambda r: check_forward(r, expected))
             x = reply.tensors[0]
-        reply = await self._call(self.num_stages - 1, version, batch, [x, batch.targets], _check_loss)
+        reply = await self._verified(self.num_stages - 1, version, batch, [x, batch.targets], _check_loss)
         return float(reply.meta["loss_sum"])
 
+    async def _verified(self, stage: int, version: int, batch: EvalBatch, tensors: list[torch.Tensor],
+                        check: Callable[[Message], str | None]) -> Message:
+        """The call's reply; for a `verify_fraction` of calls agreed on by a second peer, or by two
+        of three (the outvoted one banned). Nobody to ask a second time: the one reply stands."""
+        reply, peer = await self._call(stage, version, batch, tensors, check)
+        if not self._verify_rng.random() < self.verify_fraction:
+            return reply
+        answers = [(peer, reply)]
+        while len(answers) < 3:
+            other = await self._call(stage, version, batch, tensors, check, frozenset(p.peer_id for p, _ in answers))
+            if other is None:
+                break
+            answers.append((other[1], other[0]))
+            settled = self._settle(stage, batch, answers)
+            if settled is not None:
+                return settled
+        if len(answers) == 1:
+            return reply
+        raise GiveUp(f"stage {stage} peers {sorted(p.addr for p, _ in answers)} disagree on held-out batch "
+                     f"{batch.index} and no other peer settles it")
+
+    def _settle(self, stage: int, batch: EvalBatch, answers: list[tuple[StagePeer, Message]]) -> Message | None:
+        """The reply to use once the peers asked agree, banning the one two others outvote."""
+        if len(answers) == 2:
+            (_, a), (_, b) = answers
+            return a if self._disagreement(a, b) is None else None
+        for j, (peer, odd) in enumerate(answers):
+            rest = [m for k, (_, m) in enumerate(answers) if k != j]
+            if self._disagreement(rest[0], rest[1]) is None:
+                why = self._disagreement(odd, rest[0])
+                if why is not None:
+                    self._ban(stage, peer, f"stage.evaluate of held-out batch {batch.index} outvoted by two "
+                                           f"stage-mates: {why}")
+                return rest[0]
+        return None
+
+    def _disagreement(self, a: Message, b: Message) -> str | None:
+        """Why two checked replies to one call cannot both be right (losses, or activations)."""
+        if not a.tensors:
+            la, lb = float(a.meta["loss_sum"]), float(b.meta["loss_sum"])
+            if abs(la - lb) > self.verify_rtol * max(abs(la), abs(lb)):
+                return f"losses {la:.6g} and {lb:.6g} differ beyond {self.verify_rtol:g} relative"
+            return None
+        return disagreement(a.tensors[0], b.tensors[0], self.verify_rtol)
+
     async def _call(self, stage: int, version: int, batch: EvalBatch, tensors: list[torch.Tensor],
-                    check: Callable[[Message], str | None]) -> Message:
+                    check: Callable[[Message], str | None], others_than: frozenset[bytes] | None = None):
+        """(reply, peer) of one stage.evaluate, retried on other peers. With `others_than` (a second
+        opinion) only from other peers, and None rather than giving up when none can answer."""
         samples = len(batch.sample_indices)
         meta = {"job": self.job_id, "stage": stage, "version": version, "samples": samples}
         wiring = self.wiring[stage]
@@ -140,8 +199,10 @@ class Evaluation:
         tried: set[bytes] = set()
         rounds = 0
         for attempt in range(self.config.max_attempts):
-            pick = wiring.choose(samples, Kind.FORWARD, time.time(), frozenset(tried))
+            pick = wiring.choose(samples, Kind.FORWARD, time.time(), frozenset(tried) | (others_than or frozenset()))
             if pick is None:
+                if others_than is not None and not tried:
+                    return None  # no other peer to ask
                 if not tried:
                     raise GiveUp(f"stage {stage} has no usable peer")
                 tried.clear()  # every usable peer failed once: pause, then try them again
@@ -172,8 +233,10 @@ class Evaluation:
                 problem = f"answered version {reply.meta.get('version')!r}, not {version}"
             if problem is None:
                 wiring.completed(pick, loop.time() - began)
-                return reply
+                return reply, peer
             self._ban(stage, peer, f"stage.evaluate returned a bad reply: {problem}")
+        if others_than is not None:
+            return None
         raise GiveUp(f"stage.evaluate of stage {stage} failed {self.config.max_attempts} times (max_attempts)")
 
 

@@ -142,12 +142,54 @@ async def test_with_delayed_updates_each_evaluation_is_of_its_own_step(tmp_path,
     assert [r.version for r in evaluated] == [2, 4, 6]
     assert all(r.loss is not None and r.samples == 10 for r in evaluated), evaluated
     # Once every peer is at step 6 and idle, the same version evaluated again gives the same loss.
-    from swarmd.train.evaluation import Evaluation, EvaluationConfig
+    from swarmd.train.evaluation import Evaluation
 
     await until(lambda: all(peer.service.committed == 6 for peer in swarm_.peers), 10, "every peer at step 6")
     (pool,) = pools(1)
-    again = Evaluation(spec, kit.JOB_ID, pool, trainers[0].wiring, data, EvaluationConfig(), lambda *a: None)
+    again = Evaluation(spec, kit.JOB_ID, pool, trainers[0].wiring, data, kit.TRAINER_CONFIG, lambda *a: None)
     from swarmd.train.replies import stage_shapes
 
     result = await again.run(6, stage_shapes(spec))
     assert result.loss == evaluated[-1].loss
+
+
+async def test_with_second_opinions_a_peer_skewing_its_activations_is_outvoted(tmp_path, tiny_job, swarm, pools, kit):
+    """Steps: 2 stages, stage 0 with three peers of which one answers stage.evaluate with its
+    activations scaled by 1.5 (a plausible reply: right shape, finite, right version); one trainer
+    with verify_fraction = 1 (every forward, training's and evaluation's, recomputed on a second
+    peer); 4 steps, [eval] every 2. Expected: the liar is banned as outvoted by two stage-mates
+    and both evaluations equal the reference's (1e-5 relative), not a loss the liar skewed."""
+    from dataclasses import replace
+
+    from transport.rpc import Message
+
+    spec, data = with_eval(tmp_path, tiny_job, optim="sgd", lr=0.1, stages=2)
+    swarm_ = await swarm(spec, peers_per_stage=1)
+    await swarm_.add_peer(0, bytes([0, 8]) * 16)
+    liar = await swarm_.add_peer(0, bytes([0, 9]) * 16)
+    honest_evaluate = liar.service.evaluate
+    asked = []
+
+    async def skew(req):
+        asked.append(req.meta["version"])
+        reply = await honest_evaluate(req)
+        return Message(reply.meta, [reply.tensors[0] * 1.5], codec="none")
+
+    liar.service.evaluate = skew
+    (pool,) = pools(1)
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pool, data,
+                      config=replace(kit.TRAINER_CONFIG, verify_fraction=1.0))
+    events = await asyncio.wait_for(trainer.run(0, 4), timeout=120)
+    assert asked, "the liar was never asked"
+    bans = [b for b in trainer.banned_peers if b.peer_id == liar.peer_id.hex()]
+    assert len(bans) == 1 and "outvoted by two stage-mates" in bans[0].reason, trainer.banned_peers
+    reference = ReferenceTrainer(spec, data)
+    evaluated = []
+    for event in events:
+        reference.train_step()
+        if event.evaluation is not None:
+            want = reference.evaluate()
+            evaluated.append(event.evaluation.version)
+            assert event.evaluation.loss is not None, event.evaluation
+            assert abs(event.evaluation.loss - want) <= 1e-5 * abs(want)
+    assert evaluated == [2, 4]
