@@ -64,8 +64,11 @@ END_STATES = ("done", "cancelled")
 MAX_BY_CHARS = 200
 #: Bytes of an end record's value decoded at most (a real one takes under 300).
 MAX_END_BYTES = 1024
-#: Bytes of a progress record's value decoded at most (a real one takes under 100).
-MAX_PROGRESS_BYTES = 512
+#: Recent (steps committed, loss) pairs a progress record carries: what a daemon that did not submit
+#: the job draws and logs; about the steps of one join interval at a fast job's pace.
+MAX_PROGRESS_POINTS = 32
+#: Bytes of a progress record's value decoded at most (a real one takes under 700).
+MAX_PROGRESS_BYTES = 2048
 
 
 class ValueRefused(ValueError):
@@ -138,10 +141,11 @@ class JobProgress:
     loss: float | None
     samples_per_s: float
     at: float  # wall time the submitter's daemon stored it
+    recent: tuple[tuple[int, float], ...] = ()  # (steps committed, loss), ascending, the last few
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb({"step": self.step, "loss": self.loss, "samples_per_s": self.samples_per_s,
-                              "at": self.at}, use_bin_type=True)
+                              "at": self.at, "recent": [list(p) for p in self.recent]}, use_bin_type=True)
 
 
 # ------------------------------------------------------------------------------ schemas (pure)
@@ -249,10 +253,16 @@ def decode_progress(value: bytes, steps: int) -> JobProgress:
     """Raises ValueRefused("bad_job_progress") naming what is wrong; `steps` is the job's spec's."""
     if len(value) > MAX_PROGRESS_BYTES:
         raise ValueRefused("bad_job_progress", f"{len(value)} bytes, over MAX_PROGRESS_BYTES ({MAX_PROGRESS_BYTES})")
-    fields = _unpack(value, "bad_job_progress", max_len=MAX_PROGRESS_BYTES, arrays=0, maps=8)
+    fields = _unpack(value, "bad_job_progress", max_len=MAX_PROGRESS_BYTES, arrays=MAX_PROGRESS_POINTS, maps=8)
     if not isinstance(fields, dict):
         raise ValueRefused("bad_job_progress", "not a map")
     step, loss, rate, at = (fields.get(k) for k in ("step", "loss", "samples_per_s", "at"))
+    recent = fields.get("recent", [])
+    if not (isinstance(recent, list) and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 1, steps)
+                                             and _is_real(p[1]) for p in recent)):
+        raise ValueRefused("bad_job_progress", f"recent is not a list of [step in 1..{steps}, loss] pairs")
+    if any(a[0] >= b[0] for a, b in zip(recent, recent[1:])):
+        raise ValueRefused("bad_job_progress", "recent steps are not ascending")
     if not _is_int(step, 0, steps):
         raise ValueRefused("bad_job_progress", f"step {step!r} is not in 0..{steps}")
     if loss is not None and not _is_real(loss):
@@ -261,7 +271,8 @@ def decode_progress(value: bytes, steps: int) -> JobProgress:
         raise ValueRefused("bad_job_progress", f"samples_per_s {rate!r} is not a finite rate")
     if not _is_real(at):
         raise ValueRefused("bad_job_progress", f"at {at!r} is not a time")
-    return JobProgress(step, None if loss is None else float(loss), float(rate), float(at))
+    return JobProgress(step, None if loss is None else float(loss), float(rate), float(at),
+                       tuple((n, float(x)) for n, x in recent))
 
 
 # ------------------------------------------------------------------------------ the reader

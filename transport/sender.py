@@ -76,7 +76,12 @@ class Sender:
             frames = encode_message(kind, {ID: rid, **extra, "meta": message.meta, "x": metas}, buffers, limits)
             actual = sum(memoryview(b).nbytes for b in buffers)
             if actual > held:
-                await self.budget.acquire(actual - held)
+                # Grown past the reservation (a codec's framing, or a message over the peer's
+                # window): reserve it whole again. A top-up while holding `held` could never be
+                # granted past the capacity, since only a lone reservation may be oversized.
+                self.budget.release(held)
+                held = 0
+                await self.budget.acquire(actual)
             else:
                 self.budget.release(held - actual)
             held = actual

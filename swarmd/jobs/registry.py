@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,9 @@ from swarmd.job import DataSpec, JobSpec, SpecError
 from swarmd.job.spec import eval_data_spec
 from swarmd.job.opening import AccessDenied, Reader
 from swarmd.job.sources import GlobLimits, Sources, named_sources, resolve_sources
-from swarmd.values import DHTValues, JobEnd, JobProgress, encode_index, end_key, index_key, progress_key, spec_key
+from swarmd.values import (
+    MAX_PROGRESS_POINTS, DHTValues, JobEnd, JobProgress, encode_index, end_key, index_key, progress_key, spec_key,
+)
 from transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
@@ -256,7 +259,10 @@ class JobRegistry:
             if job.step == 0 or self._progress_sent.get(job.job_id) == now:
                 continue
             self._progress_sent[job.job_id] = now
-            value = JobProgress(job.step, job.loss, job.samples_per_s, time.time()).to_msgpack()
+            recent = [(e["step"], e["loss"]) for e in job.events if e["kind"] == "step" and e["loss"] is not None
+                      and math.isfinite(e["loss"])]
+            recent = sorted(dict(recent).items())[-MAX_PROGRESS_POINTS:]  # one loss per step, the last said
+            value = JobProgress(job.step, job.loss, job.samples_per_s, time.time(), tuple(recent)).to_msgpack()
             self._progress[job.job_id] = self.dht.announce(progress_key(job.job_id), lambda v=value: v)
 
     async def read_progress(self, job: Job) -> None:
@@ -268,6 +274,11 @@ class JobRegistry:
         progress = await self.values.progress(job.job_id, job.submitter, job.spec.steps)
         if progress is None or progress.step < job.step:
             return
+        if job.sources is None:  # no trainer here: its step events are the submitter's, as published
+            for step, loss in (p for p in progress.recent if p[0] > job.step):
+                job.step, job.loss = step, loss
+                job.event("step", f"step {step - 1} committed (as its submitter published)",
+                          samples_per_s=progress.samples_per_s, published=True)
         job.step, job.loss, job.samples_per_s = progress.step, progress.loss, progress.samples_per_s
         if job.state == "waiting":
             job.state = "running"
@@ -517,7 +528,16 @@ class JobRegistry:
             sent = job.emitted
             if not follow or job.state in FINAL_STATES:
                 return
-            await job.changed.wait()
+            if job.local or job.sources is not None:
+                await job.changed.wait()
+                continue
+            # Submitted elsewhere and no trainer here: its steps come from its progress record.
+            changed = job.changed
+            try:
+                async with asyncio.timeout(PROGRESS_READ_S):
+                    await changed.wait()
+            except TimeoutError:
+                await self.read_progress(job)
 
 
 def _lower_median(steps: list[int]) -> int:

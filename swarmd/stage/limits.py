@@ -7,9 +7,12 @@ memory is taken: a full queue answers `busy` before the request joins it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from swarmd.stage.errors import busy
 from swarmd.stage.robust import AGGREGATES
 from transport.codecs import CODECS
 
@@ -25,6 +28,22 @@ class StageLimits:
     # Calls for the next step parked until this peer commits the current one (delayed_updates =
     # false). They hold their decoded tensors while parked, so they are bounded like the queue.
     max_waiting: int = 16
+    # Of those, parked for one caller (the peer id its connection proved): a trainer keeps
+    # `microbatches_in_flight` (4 by default) calls in flight, so 8 leave it room, and one stranger's
+    # calls leave the other half of the slots to everyone else's next-step calls.
+    max_waiting_per_peer: int = 8
+    # How many steps past the one this peer accepts work for a compute call may park for. The next
+    # step's calls arrive while the current step commits; work further ahead reaches only a peer
+    # behind its stage, and such a call parks only while this peer is about to move: a mate ahead
+    # to download from, or its looks find the swarm at that step (`StageService._resume_at`). Any
+    # other call further ahead is answered `not_ready` at once: parked, it would hold a slot (and
+    # its tensors) up to max_wait_s.
+    max_steps_ahead: int = 1
+    # `stage.wait_commit` long-polls held at once, in all and per caller. They hold no tensors, and
+    # they have slots of their own, apart from max_waiting: a stranger's watches must not take the
+    # slots the trainers' next-step compute calls park in. A trainer watches one peer per stage.
+    max_watchers: int = 64
+    max_watchers_per_peer: int = 4
     # Longest such a call waits when its caller set no deadline.
     max_wait_s: float = 30.0
     # Compatible microbatches (same kind, step and shapes) fused into one compute call: larger
@@ -112,6 +131,17 @@ class StageLimits:
     state_chunk_bytes: int = 4 * MiB
     # `stage.state` downloads served at once: each holds a full copy of the stage's state.
     max_state_streams: int = 2
+    # Of those, served to one caller at once: a joiner downloads one state at a time; a second
+    # stream would only keep a slot from another joiner.
+    max_state_streams_per_peer: int = 1
+    # A state stream whose reader stops reading must not keep its slot (nor its copy of the state):
+    # each message must be taken by the transport (which waits for the reader's window) within
+    # state_stall_s plus the time its bytes and the previous message's (which must leave first)
+    # take at state_min_rate_bytes_s, or the stream is ended. 256 KiB/s (2 Mbit/s) is below any
+    # link a stage peer trains over; 5 s absorbs a loaded event loop or a pause. A stalled stream
+    # then holds a slot for about 5 s plus a chunk's time, not for as long as its reader likes.
+    state_stall_s: float = 5.0
+    state_min_rate_bytes_s: float = 256 * 1024
     # Deadline for downloading a mate's whole state when joining.
     state_timeout_s: float = 300.0
     # Checkpoints kept in the state dir; older ones are removed after a new one is in place.
@@ -136,3 +166,38 @@ class StageLimits:
                     raise ValueError(f"StageLimits.torch_threads must be None or >= 1, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"StageLimits.{field.name} must be positive, got {value!r}")
+
+
+class Slots:
+    """A bounded number of held slots, in all and per caller (the peer id the transport proved;
+    None for a connection without one, all such callers sharing one count). Refusals are `busy`
+    and name the limit. The per-caller table holds only callers holding a slot, so it is bounded
+    by the total."""
+
+    def __init__(self, what: str, limit: int, limit_name: str, per_caller: int, per_caller_name: str) -> None:
+        self.what, self.limit, self.per_caller = what, limit, per_caller
+        self._names = (limit_name, per_caller_name)
+        self.total = 0
+        self._held: dict[bytes | None, int] = {}
+
+    def held_by(self, caller: bytes | None) -> int:
+        return self._held.get(caller, 0)
+
+    @contextlib.contextmanager
+    def hold(self, caller: bytes | None) -> Iterator[None]:
+        if self.total >= self.limit:
+            raise busy(f"{self.total} {self.what} already ({self._names[0]})")
+        held = self._held.get(caller, 0)
+        if held >= self.per_caller:
+            raise busy(f"{held} {self.what} already for this caller ({self._names[1]})")
+        self.total += 1
+        self._held[caller] = held + 1
+        try:
+            yield
+        finally:
+            self.total -= 1
+            left = self._held[caller] - 1
+            if left:
+                self._held[caller] = left
+            else:
+                del self._held[caller]

@@ -8,8 +8,9 @@ with `not_serving`. The schema is docs/stage-rpc.md.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from swarmd.stage.errors import bad_input, not_serving
@@ -33,7 +34,7 @@ class ServedStage(Protocol):
     async def sync_reduce(self, req: Request) -> Message: ...
     async def sync_gather(self, req: Request) -> Message: ...
     async def sync_abort(self, req: Request) -> Message: ...
-    def state_stream(self, req: Request) -> AsyncIterator[Message]: ...
+    def state_stream(self, req: Request) -> AsyncGenerator[Message, None]: ...
 
 
 Handler = Callable[[ServedStage, Request], Awaitable[Message]]
@@ -92,8 +93,10 @@ class StageServer:
         return handle
 
     async def _state(self, req: Request) -> AsyncIterator[Message]:
-        async for item in self._lookup(req).state_stream(req):
-            yield item
+        # Closed here, not left to the garbage collector: the service frees its slot in `finally`.
+        async with contextlib.aclosing(self._lookup(req).state_stream(req)) as items:
+            async for item in items:
+                yield item
 
     def _lookup(self, req: Request) -> ServedStage:
         job, stage = req.meta.get("job"), req.meta.get("stage")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import math
 from collections import deque
@@ -36,7 +37,7 @@ from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan
                                jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
 from swarmd.stage.executor import Executor, QueueFull
-from swarmd.stage.limits import StageLimits
+from swarmd.stage.limits import Slots, StageLimits
 from swarmd.stage.robust import CENTERED_CLIP
 from swarmd.stage.server import StageServer
 from swarmd.stage.state import (Snapshot, StateError, apply_snapshot, content_digest, download, snapshot_messages,
@@ -52,6 +53,14 @@ log = logging.getLogger(__name__)
 INLINE_CHECK_ELEMENTS = 1 << 16
 """Inputs up to this many elements are checked for NaN/inf on the event loop (tens of
 microseconds); larger ones in a thread, so a big activation never stalls other calls."""
+
+
+class Look(enum.Enum):
+    """What `StageService._resume_at` found for a step past this peer's."""
+
+    TAKEN = "taken"  # this peer now accepts work for the step
+    PENDING = "pending"  # its looks find the swarm there; it takes the step up once resume_after_s agreed
+    NO = "no"  # no sign that the swarm is there
 
 
 @dataclass(frozen=True)
@@ -105,12 +114,18 @@ class StageService:
         self._tasks = TaskSet(f"stage {stage_index}")
         self._aux = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage_index}-aux")
         self._committed_event = asyncio.Event()
-        self._waiting = 0
+        # Compute calls parked for a later step, and `stage.wait_commit` watches: separate slots,
+        # each counted in all and per caller (a stranger's watches leave the trainers' slots alone).
+        self.parked = Slots("calls wait for a commit", limits.max_waiting, "max_waiting",
+                            limits.max_waiting_per_peer, "max_waiting_per_peer")
+        self.watchers = Slots("stage.wait_commit calls wait", limits.max_watchers, "max_watchers",
+                              limits.max_watchers_per_peer, "max_watchers_per_peer")
         self._checkpoint_lock = asyncio.Lock()
         self._resume_lock = asyncio.Lock()
         # (from, to) for every jump over steps this stage lost (see `_resume_at`), shown by stage.info.
         self.skipped: deque[tuple[int, int]] = deque(maxlen=limits.records_kept)
-        self._streams = 0
+        self.streams = Slots("state downloads running", limits.max_state_streams, "max_state_streams",
+                             limits.max_state_streams_per_peer, "max_state_streams_per_peer")
         # The digest of the parameters now in the module: written with them under the guard (the
         # core's own copy follows on the event loop), so a snapshot always pairs the two.
         self._state_digest = b""
@@ -385,7 +400,7 @@ class StageService:
         if version is not None and (type(version) is not int or version < 0):
             raise bad_input("version, when given, must be an int >= 0 (the one a forward reply named)")
         x, other = await self._check_tensors(kind, req.tensors, samples)
-        replay = await self._gate(step, req.deadline)
+        replay = await self._gate(step, req.deadline, req.peer.peer_id)
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         loop = asyncio.get_running_loop()
@@ -465,8 +480,11 @@ class StageService:
                 return f"{what}: token ids must be in [0, {vocab})"
         return None
 
-    async def _gate(self, step: int, deadline: float | None) -> bool:
-        """Work for a future step waits here for this peer's commit, up to the call's deadline.
+    async def _gate(self, step: int, deadline: float | None, caller: bytes | None) -> bool:
+        """Work for a later step waits here for this peer's commit, up to the call's deadline, in one
+        of the `parked` slots (`max_waiting`, `max_waiting_per_peer` of them for `caller`); a call
+        more than `max_steps_ahead` steps ahead parks only while this peer is taking that step up
+        (`_resume_at`) or has a mate ahead to download from, else it is answered `not_ready` at once.
         True: the step was just committed and this peer still holds its parameters (a replay)."""
         loop = asyncio.get_running_loop()
         ahead = 1 if self.spec.pipeline.delayed_updates else 0
@@ -479,8 +497,15 @@ class StageService:
                 raise StaleStep(step, committed).to_rpc()
             if self.core.accepts(step):
                 return False
-            if await self._resume_at(step - ahead) or self.committed != committed:
+            look = await self._resume_at(step - ahead)
+            if look is Look.TAKEN or self.committed != committed:
                 continue
+            # Further ahead, a call waits only while this peer is about to move: taking the swarm's
+            # step up, or behind a mate it will download from (the sync loop's catch-up).
+            moving = look is Look.PENDING or self.core.mate_ahead()
+            if step - ahead - committed > self.limits.max_steps_ahead and not moving:
+                raise not_ready(f"step {step} is {step - ahead - committed} steps past this peer's step {committed}; "
+                                f"calls wait for at most {self.limits.max_steps_ahead} (max_steps_ahead)")
             now = loop.time()
             until = now + self.limits.max_wait_s
             if deadline is not None:
@@ -488,23 +513,19 @@ class StageService:
                 until = min(until, deadline - min(0.25, (deadline - now) / 10))
             if until <= now:
                 raise not_ready(f"step {step} arrived; this peer has committed {committed} steps")
-            if self._waiting >= self.limits.max_waiting:
-                raise busy(f"{self._waiting} calls already wait for a commit (max_waiting)")
             # Wake at least every progress_timeout_s to look again whether the stage lost steps
             # (`_resume_at`): a look can fail on a slow or unreachable peer, and no commit may come.
             wake = min(until, now + self.limits.progress_timeout_s)
-            self._waiting += 1
-            try:
-                async with asyncio.timeout_at(wake):
-                    await self._committed_event.wait()
-            except TimeoutError:
-                if wake >= until:
-                    raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
-                                    f"and did not commit in time") from None
-            finally:
-                self._waiting -= 1
+            with self.parked.hold(caller):
+                try:
+                    async with asyncio.timeout_at(wake):
+                        await self._committed_event.wait()
+                except TimeoutError:
+                    if wake >= until:
+                        raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
+                                        f"and did not commit in time") from None
 
-    async def _resume_at(self, target: int) -> bool:
+    async def _resume_at(self, target: int) -> Look:
         """Skip the steps this stage lost, when the rest of the swarm shows they were committed.
 
         A stage whose every peer died restarts from its newest checkpoint (step c), while the other
@@ -520,14 +541,15 @@ class StageService:
         which the sync loop does: the everyday case of a peer that commits a moment after its
         mates, which must never skip), and a peer of another stage at `target` (so one confused
         trainer cannot push a stage forward on its word alone); the core allows the jump once every
-        look for `resume_after_s` agreed. True when this peer now accepts work for `target`.
+        look for `resume_after_s` agreed. `Look.TAKEN` when this peer now accepts work for `target`,
+        `Look.PENDING` while its looks agree but not yet for that long.
         """
         async with self._resume_lock:
             if self.committed >= target:
-                return True
+                return Look.TAKEN
             looks_alone = await self._behind_alone(target)
             if not self.core.behind_alone(asyncio.get_running_loop().time(), looks_alone):
-                return self.committed >= target
+                return Look.TAKEN if self.committed >= target else Look.PENDING if looks_alone else Look.NO
             lost_from = self.committed
 
             def jump() -> None:
@@ -545,7 +567,7 @@ class StageService:
                         "it, so its updates of steps %d to %d are lost", self.stage_index, target, lost_from,
                         lost_from, target - 1)
             self._notify_commit()
-            return True
+            return Look.TAKEN
 
     async def _behind_alone(self, target: int) -> bool:
         """Does this look find the swarm at `target` and no mate of this stage that may be ahead?"""
@@ -614,31 +636,30 @@ class StageService:
         if req.deadline is not None:
             until = min(until, req.deadline - min(0.25, max(0.0, req.deadline - loop.time()) / 10))
         if self.committed <= step and until > loop.time():
-            if self._waiting >= self.limits.max_waiting:
-                raise busy(f"{self._waiting} calls already wait for a commit (max_waiting)")
-            self._waiting += 1
-            try:
+            with self.watchers.hold(req.peer.peer_id):
                 while self.committed <= step and until > loop.time():
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout_at(until):
                             await self._committed_event.wait()
-            finally:
-                self._waiting -= 1
         last = asdict(self.records[-1]) if self.records else None
         return Message({"step": self.committed, "digest": self.digest, "last_step": last}, codec="none")
 
     async def state_stream(self, req: Request) -> AsyncIterator[Message]:
+        """`stage.state`: this peer's state for a joiner, in one of the `streams` slots, ended
+        (its slot and copy freed) when the reader stops taking it (`StallWatch`)."""
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
-        if self._streams >= self.limits.max_state_streams:
-            raise busy(f"{self._streams} state downloads already running (max_state_streams)")
-        self._streams += 1
-        try:
+        with self.streams.hold(req.peer.peer_id):
             snapshot = await self.in_aux(self.snapshot)
-            for message in snapshot_messages(snapshot, self.limits.state_chunk_bytes):
-                yield message
-        finally:
-            self._streams -= 1
+            watch = StallWatch(self.limits.state_stall_s, self.limits.state_min_rate_bytes_s,
+                               f"stage {self.stage_index} state stream to {_caller(req)}")
+            try:
+                for message in snapshot_messages(snapshot, self.limits.state_chunk_bytes):
+                    watch.handing(sum(t.numel() * t.element_size() for t in message.tensors))
+                    yield message
+                    watch.taken()
+            finally:
+                watch.close()
 
     def snapshot(self) -> Snapshot:
         with self.guard.read():
@@ -735,3 +756,48 @@ class StageService:
             path = await asyncio.to_thread(ckpt.write_checkpoint, self.state_dir, snapshot, self.stage_index,
                                            self.limits.checkpoints_kept)
         log.info("stage %d wrote %s", self.stage_index, path)
+
+
+def _caller(req: Request) -> str:
+    """Who called, for a log line: the proven peer id (short hex), else the address."""
+    peer_id = req.peer.peer_id
+    return f"peer {peer_id.hex()[:16]}" if peer_id is not None else f"{req.peer.address}"
+
+
+class StallWatch:
+    """Ends a stream whose reader stops taking it. A stream handler runs in the transport's task for
+    the call, suspended at each `yield` until the transport has taken the message (which waits for
+    the reader's window), so the handler cannot time that wait itself; this watch cancels the task
+    when a message is not taken by its deadline: `stall_s` after the previous one was, plus the
+    time its bytes and the previous message's take at `min_rate` (the previous one must leave
+    first). The transport then drops what is queued and the handler's `finally` frees its slot."""
+
+    def __init__(self, stall_s: float, min_rate: float, what: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._stall_s, self._min_rate, self._what = stall_s, min_rate, what
+        self._since = self._loop.time()
+        self._previous = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def handing(self, nbytes: int) -> None:
+        """A message of `nbytes` payload bytes is handed to the transport now."""
+        allowed = self._stall_s + (self._previous + nbytes) / self._min_rate
+        self._previous = nbytes
+        self._timer = self._loop.call_at(self._since + allowed, self._cut, allowed)
+
+    def taken(self) -> None:
+        self.close()
+        self._since = self._loop.time()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _cut(self, allowed: float) -> None:
+        self._timer = None
+        log.info("%s ended: a message was not taken within %.1f s (state_stall_s, state_min_rate_bytes_s)",
+                 self._what, allowed)
+        if self._task is not None:
+            self._task.cancel(f"{self._what} stalled")

@@ -75,6 +75,38 @@ def test_the_submitters_progress_reaches_a_daemon_that_did_not_submit(monkeypatc
     assert remote.step == 19
 
 
+def test_the_submitters_recent_steps_become_step_events_elsewhere(monkeypatch) -> None:
+    """`swarmctl logs` and `plot` on a daemon that did not submit the job: the recent (step, loss)
+    pairs the submitter published become step events there, each step once, none before the
+    reader's own step; a follower is woken by them."""
+    import asyncio
+
+    monkeypatch.setattr(registry_module, "PROGRESS_READ_S", 0.0)
+    store = Store()
+    mine = JobRegistry(store.signer(SUBMITTER), SUBMITTER)
+    theirs = JobRegistry(store, Identity.from_seed(b"reader"))
+    local = mine.jobs[JOB] = Job(JOB, SPEC, SUBMITTER.public_key, local=True)
+    remote = theirs.jobs[JOB] = Job(JOB, SPEC, SUBMITTER.public_key, local=False)
+    for step, loss in ((1, 3.0), (2, 2.9), (3, 2.8)):
+        local.step, local.loss = step, loss
+        local.event("step", f"shard 0: step {step - 1} committed")
+    mine.publish_progress()
+    asyncio.run(theirs.read_progress(remote))
+    assert [(e["step"], e["loss"]) for e in remote.events if e["kind"] == "step"] == [(1, 3.0), (2, 2.9), (3, 2.8)]
+
+    async def follow_two_more() -> list:
+        seen = []
+        async for event in theirs.events(remote, follow=True):
+            seen.append(event["step"])
+            if len(seen) == 5:
+                return seen
+    for step, loss in ((4, 2.7), (5, 2.6)):
+        local.step, local.loss = step, loss
+        local.event("step", f"shard 0: step {step - 1} committed")
+    mine.publish_progress()
+    assert asyncio.run(asyncio.wait_for(follow_two_more(), 10)) == [1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize(("fields", "why"), [
     ({"step": 21, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0}, "step"),
     ({"step": -1, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0}, "step"),
@@ -82,7 +114,11 @@ def test_the_submitters_progress_reaches_a_daemon_that_did_not_submit(monkeypatc
     ({"step": 3, "loss": float("inf"), "samples_per_s": 1.0, "at": 1.0}, "loss"),
     ({"step": 3, "loss": 1.0, "samples_per_s": -1.0, "at": 1.0}, "samples_per_s"),
     ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": None}, "at"),
-    ([3, 1.0], "not msgpack"),
+    ([3, 1.0], "not a map"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "recent": [[2, 1.0], [1, 1.0]]}, "ascending"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "recent": [[0, 1.0]]}, "recent"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "recent": [[1, "x"]]}, "recent"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "recent": [[1, 1.0]] * 40}, "not msgpack"),
 ])
 def test_a_malformed_progress_record_is_refused_with_its_reason(fields, why) -> None:
     with pytest.raises(ValueRefused, match=why):

@@ -11,9 +11,11 @@ on it ("catch-up poisoning" and its relatives), and a stranger that takes the wa
 - R7 (race, swarmd/train/progress.py `uncovered_everywhere`): what is uncovered is the intersection
   of every answering peer's report, so one peer answering `uncovered: []` hides every lost
   microbatch from the re-sends and the takeover.
-- R4 (race, swarmd/stage/service.py): `stage.wait_commit` takes the same `max_waiting` slots as
+- R4 (closed, swarmd/stage/service.py): `stage.wait_commit` took the same `max_waiting` slots as
   the trainers' calls parked for the next step, and anyone may call it: 16 calls from a stranger and
-  every trainer's next-step call is refused `busy`.
+  every trainer's next-step call was refused `busy`; so were 16 calls parked for a far step. Now
+  watches have slots of their own, every slot count is also per caller, and a call more than
+  `max_steps_ahead` ahead does not park.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from transport.rpc import Message, Router, RpcConfig, RpcServer
 R2 = "adversary R2 in /work/coord/requests.md: a lone mate's higher step must be confirmed before download (race)"
 R3 = "adversary R3 in /work/coord/requests.md: one peer's step claim is not the stage's (race)"
 R7 = "adversary R7 in /work/coord/requests.md: one peer's empty `uncovered` hides every lost microbatch (race)"
-R4 = "adversary R4 in /work/coord/requests.md: wait_commit must not take the trainers' waiting slots (race)"
 
 D0 = initial_digest(5, 1)
 
@@ -117,23 +118,32 @@ async def test_one_stranger_cannot_fast_forward_a_stage(lone_peer):
         await liar.close()
 
 
-@pytest.mark.xfail(strict=True, reason=R4)
+async def settled(calls: list[asyncio.Task], held) -> None:
+    """Until each of a stranger's calls is either answered (refused) or held by the peer (`held()`
+    counts the slots they hold)."""
+    async with asyncio.timeout(5):
+        while held() + sum(call.done() for call in calls) < len(calls):
+            await asyncio.sleep(0.01)
+
+
 async def test_a_strangers_wait_commit_calls_do_not_refuse_the_trainers_next_step(lone_peer):
-    """A stranger parks max_waiting (16) `stage.wait_commit` calls; then the trainer sends step 1's
+    """A stranger sends max_waiting (16) `stage.wait_commit` calls; then the trainer sends step 1's
     first microbatch (parked until step 0 commits) and step 0's four. Expected: the step-1 call is
-    answered once step 0 commits; on main it is refused `busy` at once."""
+    answered once step 0 commits; on main it is refused `busy` at once (the watches took every
+    max_waiting slot; now they have slots of their own, max_watchers_per_peer for one caller)."""
     victim, _ = lone_peer
     stranger, _ = stranger_pool()
-    trainer, _ = stranger_pool()
+    trainer, trainer_identity = stranger_pool()
+    trainer_id = trainer_identity.peer_id
     wait = Message({"job": JOB, "stage": STAGE, "step": 100, "timeout_s": 30.0}, codec="none")
     waits = [asyncio.create_task(stranger.call(victim.addr, "stage.wait_commit", wait, timeout=10))
              for _ in range(victim.service.limits.max_waiting)]
     try:
-        async with asyncio.timeout(5):
-            while victim.service._waiting < victim.service.limits.max_waiting:
-                await asyncio.sleep(0.01)
+        await settled(waits, lambda: victim.service.watchers.total)
         next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
-        await asyncio.sleep(0.2)
+        async with asyncio.timeout(5):  # parked (or, on main, refused)
+            while not (victim.service.parked.held_by(trainer_id) or next_step.done()):
+                await asyncio.sleep(0.01)
         await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
         assert await committed_within([victim], 1, 5.0)
         await next_step  # on main: RemoteError busy ("16 calls already wait for a commit")
@@ -145,22 +155,24 @@ async def test_a_strangers_wait_commit_calls_do_not_refuse_the_trainers_next_ste
         await trainer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=R4)
 async def test_a_strangers_parked_future_calls_do_not_refuse_the_trainers_next_step(lone_peer):
-    """The same slots taken by compute calls: a stranger parks max_waiting (16) backward calls for
-    step 5 (each waits for commits up to max_wait_s). Expected: the trainer's step-1 call is still
-    parked and answered once step 0 commits; on main it is refused `busy` at once."""
+    """The same slots taken by compute calls: a stranger sends max_waiting (16) backward calls for
+    step 5 (on main each waits for commits up to max_wait_s). Expected: the trainer's step-1 call is
+    still parked and answered once step 0 commits; on main it is refused `busy` at once (now a call
+    more than max_steps_ahead ahead is answered not_ready at once, and one caller parks at most
+    max_waiting_per_peer)."""
     victim, _ = lone_peer
     stranger, _ = stranger_pool()
-    trainer, _ = stranger_pool()
+    trainer, trainer_identity = stranger_pool()
+    trainer_id = trainer_identity.peer_id
     parked = [asyncio.create_task(backward(stranger, victim, 5, m % 4, timeout=10.0))
               for m in range(victim.service.limits.max_waiting)]
     try:
-        async with asyncio.timeout(5):
-            while victim.service._waiting < victim.service.limits.max_waiting:
-                await asyncio.sleep(0.01)
+        await settled(parked, lambda: victim.service.parked.total)
         next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
-        await asyncio.sleep(0.2)
+        async with asyncio.timeout(5):  # parked (or, on main, refused)
+            while not (victim.service.parked.held_by(trainer_id) or next_step.done()):
+                await asyncio.sleep(0.01)
         await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
         assert await committed_within([victim], 1, 5.0)
         await next_step  # on main: RemoteError busy ("16 calls already wait for a commit")

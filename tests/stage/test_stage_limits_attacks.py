@@ -12,8 +12,10 @@ from waiting import until
 
 from swarmd.directory import StaticDirectory
 from swarmd.stage import StageLimits
-from transport.errors import RemoteError
-from transport.rpc import Message
+from swarmd.stage.limits import Slots
+from transport.errors import RemoteError, RpcError
+from transport.identity import Identity
+from transport.rpc import Message, Pool, RpcConfig
 
 B, T, C = 2, 16, 32
 STAGE = 1
@@ -83,7 +85,7 @@ async def test_calls_parked_for_the_next_step_past_max_waiting_are_busy(kit, cli
     x = torch.randn(B, T, C)
     try:
         parked = asyncio.create_task(kit.call(client, peer, "stage.forward", STAGE, 1, 4, [x], timeout=1.0))
-        await until(lambda: peer.service._waiting == 1, 5, "the first call to wait for a commit")
+        await until(lambda: peer.service.parked.total == 1, 5, "the first call to wait for a commit")
         with pytest.raises(RemoteError) as info:
             await kit.call(client, peer, "stage.forward", STAGE, 1, 5, [x], timeout=1.0)
         assert info.value.code == "busy" and "max_waiting" in info.value.message
@@ -91,6 +93,93 @@ async def test_calls_parked_for_the_next_step_past_max_waiting_are_busy(kit, cli
             await parked
         assert info.value.code == "not_ready"
     finally:
+        await peer.close()
+
+
+def test_slots_are_bounded_in_all_and_per_caller_and_come_back():
+    slots = Slots("things held", 3, "max_things", 2, "max_things_per_peer")
+    with slots.hold(b"a"), slots.hold(b"a"):
+        with pytest.raises(RpcError) as refused:
+            with slots.hold(b"a"):
+                pass
+        assert refused.value.code == "busy" and "max_things_per_peer" in refused.value.message
+        with slots.hold(None):
+            assert slots.total == 3 and slots.held_by(b"a") == 2
+            with pytest.raises(RpcError) as refused:
+                with slots.hold(b"b"):
+                    pass
+            assert refused.value.code == "busy" and "(max_things)" in refused.value.message
+    assert slots.total == 0 and slots.held_by(b"a") == 0 and not slots._held  # nobody left in the table
+
+
+def identified_pool() -> Pool:
+    """A caller with an identity of its own (the per-caller slots count by its peer id)."""
+    return Pool(RpcConfig(identity=Identity.generate()))
+
+
+async def test_one_caller_parks_at_most_max_waiting_per_peer(kit):
+    """A caller racing ahead takes at most max_waiting_per_peer of the next-step slots; another
+    caller's next-step call still parks."""
+    spec = kit.make_spec(stages=3)
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(),
+                                StageLimits(max_waiting=4, max_waiting_per_peer=2, sync_interval_s=60.0))
+    greedy, other = identified_pool(), identified_pool()
+    x = torch.randn(B, T, C)
+    parked = [asyncio.create_task(kit.call(greedy, peer, "stage.forward", STAGE, 1, 4 + m, [x], timeout=5.0))
+              for m in range(2)]
+    try:
+        await until(lambda: peer.service.parked.total == 2, 5, "the greedy caller's two calls to park")
+        with pytest.raises(RemoteError) as info:
+            await kit.call(greedy, peer, "stage.forward", STAGE, 1, 6, [x], timeout=5.0)
+        assert info.value.code == "busy" and "max_waiting_per_peer" in info.value.message
+        parked.append(asyncio.create_task(kit.call(other, peer, "stage.forward", STAGE, 1, 7, [x], timeout=5.0)))
+        await until(lambda: peer.service.parked.total == 3, 5, "the other caller's call to park")
+    finally:
+        for task in parked:
+            task.cancel()
+        await asyncio.gather(*parked, return_exceptions=True)
+        await greedy.close()
+        await other.close()
+        await peer.close()
+
+
+async def test_a_call_past_max_steps_ahead_is_answered_not_ready_at_once(kit, client):
+    """A lone peer at step 0 with no sign that the swarm is further: a call for step 2 does not
+    park (it would hold a slot up to max_wait_s, 30 s here) but is answered not_ready at once."""
+    spec = kit.make_spec(stages=3)
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(), StageLimits(sync_interval_s=60.0))
+    try:
+        with pytest.raises(RemoteError) as info:
+            await kit.call(client, peer, "stage.forward", STAGE, 2, 8, [torch.randn(B, T, C)], timeout=20.0)
+        assert info.value.code == "not_ready" and "max_steps_ahead" in info.value.message
+        assert peer.service.parked.total == 0
+    finally:
+        await peer.close()
+
+
+async def test_wait_commit_calls_have_slots_of_their_own(kit):
+    """Watches are bounded per caller (max_watchers_per_peer) and take no compute slot: with
+    max_waiting 1, a next-step call still parks beside a watch."""
+    spec = kit.make_spec(stages=3)
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(),
+                                StageLimits(max_waiting=1, max_watchers_per_peer=1, sync_interval_s=60.0))
+    watcher, trainer = identified_pool(), identified_pool()
+    watch = Message({**kit.meta(STAGE), "step": 0, "timeout_s": 5.0}, codec="none")
+    held = [asyncio.create_task(watcher.call(peer.addr, "stage.wait_commit", watch, timeout=10))]
+    try:
+        await until(lambda: peer.service.watchers.total == 1, 5, "the first watch to wait")
+        with pytest.raises(RemoteError) as info:
+            await watcher.call(peer.addr, "stage.wait_commit", watch, timeout=10)
+        assert info.value.code == "busy" and "max_watchers_per_peer" in info.value.message
+        held.append(asyncio.create_task(kit.call(trainer, peer, "stage.forward", STAGE, 1, 4, [torch.randn(B, T, C)],
+                                                 timeout=5.0)))
+        await until(lambda: peer.service.parked.total == 1, 5, "the next-step call to park beside the watch")
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        await watcher.close()
+        await trainer.close()
         await peer.close()
 
 

@@ -145,7 +145,7 @@ async def test_a_lagging_peer_whose_mate_is_out_of_sight_for_a_moment_downloads_
         call = asyncio.create_task(kit.call(client, behind, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)),
                                             timeout=60.0))
         async with asyncio.timeout(30):
-            while behind.service._waiting == 0:  # it looked, found no mate ahead, and parked the call
+            while behind.service.parked.total == 0:  # it looked, found no mate ahead, and parked the call
                 assert not call.done(), call.result()
                 await asyncio.sleep(0.01)
             partial.set(kit.JOB, STAGE, [*await partial.peers(kit.JOB, STAGE),

@@ -226,3 +226,25 @@ async def test_cancelling_at_every_await_leaves_the_connection_clean(setup, kind
         raise AssertionError("the call never completed")
     assert steps > 3  # the call really had awaits to cancel at
     await _idle(pool, srv)
+
+
+async def test_messages_larger_than_the_readers_window_still_flow():
+    """A reader announcing a 4 KiB window (`max_inflight_bytes`) streams 8 KiB items and echoes a
+    16 KiB tensor. The sender reserved min(size, window) before encoding and then asked for the
+    rest while holding it, which the budget never grants past its capacity: the stream stopped
+    after the first item, for ever (found by the state-stream adversary test). Expected: every item
+    and the echo arrive; an oversized message goes alone, slowly, never deadlocked."""
+    probe = Probe()
+    srv = await RpcServer.serve_tcp(_router(probe), "127.0.0.1", 0)
+    pool = Pool(RpcConfig(limits=Limits(max_inflight_bytes=4096)))
+    try:
+        async with asyncio.timeout(20):
+            async with pool.stream(srv.address, "ticks", Message({"n": 5, "size": 2048}), timeout=20) as items:
+                got = [item.meta["i"] async for item in items]
+            assert got == [0, 1, 2, 3, 4]
+            big = torch.arange(4096, dtype=torch.float32)
+            echoed = await pool.call(srv.address, "echo", Message({"x": 1}, [big], codec="none"), timeout=20)
+            assert torch.equal(echoed.tensors[0], big)
+    finally:
+        await pool.close()
+        await srv.close()
