@@ -14,7 +14,8 @@ schemas, and the one place they are decoded, are in `swarmd.values`):
   key), so nobody else can end a job; a record anyone else stores there is refused and logged
   once. An ended job stays in its submitter's index, so every daemon learns it ended rather than
   only that it is gone.
-- `("job", job_id, "progress")`: the step, loss and samples/s the job is at, as the submitter's
+- `("job", job_id, "progress")`: the step, loss and samples/s the job is at (and, with `[eval]`, its
+  recent held-out losses), as the submitter's
   daemon knows them from its trainers, re-stored when they change (at the join loop's pace, about
   every `jobs.join_interval_s`). Only the submitter's record is read, as for the end: a daemon
   that did not submit the job shows these in `swarmctl jobs`/`job` (read when asked, at most every
@@ -255,14 +256,17 @@ class JobRegistry:
         """Re-store the progress record of each job submitted here whose step, loss or rate changed
         (announcing the same key again stores it now); the join loop calls this every tick."""
         for job in (j for j in self.jobs.values() if j.local and j.ended is None):
-            now = (job.step, job.loss, job.samples_per_s)
+            now = (job.step, job.loss, job.samples_per_s, job.eval_step)
             if job.step == 0 or self._progress_sent.get(job.job_id) == now:
                 continue
             self._progress_sent[job.job_id] = now
             recent = [(e["step"], e["loss"]) for e in job.events if e["kind"] == "step" and e["loss"] is not None
                       and math.isfinite(e["loss"])]
             recent = sorted(dict(recent).items())[-MAX_PROGRESS_POINTS:]  # one loss per step, the last said
-            value = JobProgress(job.step, job.loss, job.samples_per_s, time.time(), tuple(recent)).to_msgpack()
+            evaluated = sorted({e["eval_step"]: e["eval_loss"] for e in job.events
+                                if e["kind"] == "step" and e.get("eval_loss") is not None}.items())[-MAX_PROGRESS_POINTS:]
+            value = JobProgress(job.step, job.loss, job.samples_per_s, time.time(), tuple(recent),
+                                tuple(evaluated)).to_msgpack()
             self._progress[job.job_id] = self.dht.announce(progress_key(job.job_id), lambda v=value: v)
 
     async def read_progress(self, job: Job) -> None:
@@ -274,12 +278,16 @@ class JobRegistry:
         progress = await self.values.progress(job.job_id, job.submitter, job.spec.steps)
         if progress is None or progress.step < job.step:
             return
+        held_out = dict(progress.evaluated)
         if job.sources is None:  # no trainer here: its step events are the submitter's, as published
             for step, loss in (p for p in progress.recent if p[0] > job.step):
                 job.step, job.loss = step, loss
+                evaluated = {"eval_loss": held_out[step], "eval_step": step} if step in held_out else {}
                 job.event("step", f"step {step - 1} committed (as its submitter published)",
-                          samples_per_s=progress.samples_per_s, published=True)
+                          samples_per_s=progress.samples_per_s, published=True, **evaluated)
         job.step, job.loss, job.samples_per_s = progress.step, progress.loss, progress.samples_per_s
+        if progress.evaluated and (job.eval_step is None or progress.evaluated[-1][0] >= job.eval_step):
+            job.eval_step, job.eval_loss = progress.evaluated[-1]
         if job.state == "waiting":
             job.state = "running"
 
