@@ -209,7 +209,7 @@ class Trainer:
         self._takeover_slots = asyncio.Semaphore(1)  # replaced per commit watch
         # Shard 0 evaluates the job's held-out samples when its [eval] says so (evaluation.py).
         self._evaluation = Evaluation(spec, job_id, pool, self.wiring, data, config, self._ban) \
-            if shard == 0 and data.eval_batch_count() else None
+            if shard == 0 and spec.eval.enabled and data.eval_batch_count() else None
         self.in_memory = 0  # microbatches whose tensors are in memory now (in flight)
         self.peak_in_memory = 0
 
