@@ -543,15 +543,25 @@ class TrainerSection:
         "another trainer's microbatch is taken over only after it looked undone this long (trainers of one "
         "job start seconds apart; taking a live trainer's share is wasted work)",
     )
+    eval_workers: int = setting(
+        4, _int_kind(1), "held-out batches ([eval]) one evaluation keeps in flight: bounded so it never floods the "
+                         "stages' queues",
+    )
+    eval_max_attempts: int = setting(
+        8, _int_kind(1), "peers one stage.evaluate call may try before the evaluation is given up (never fatal)",
+    )
 
     def trainer_config(self) -> Any:
         """The `swarmd.train.TrainerConfig` these settings make (imported here: torch loads with it)."""
         from swarmd.train.assignment import TakeoverPolicy
+        from swarmd.train.evaluation import EvaluationConfig
         from swarmd.train.trainer import TrainerConfig
         from swarmd.train.wiring import WiringConfig
 
         return TrainerConfig(forward_timeout_s=self.forward_timeout_s, backward_timeout_s=self.backward_timeout_s,
                              takeover=TakeoverPolicy(min_s=self.takeover_min_s),
+                             evaluation=EvaluationConfig(workers=self.eval_workers,
+                                                         max_attempts=self.eval_max_attempts),
                              wiring=WiringConfig(timeout_floor_s=self.timeout_floor_s,
                                                  timeout_factor=self.timeout_factor))
 

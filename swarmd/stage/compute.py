@@ -25,6 +25,8 @@ from swarmd.stage.accumulator import Accumulator
 from swarmd.stage.errors import StaleStep
 
 FORWARD, BACKWARD, FORWARD_BACKWARD = "forward", "backward", "forward_backward"
+# `stage.evaluate`: forward only, no gradient anywhere; the last stage answers the loss sum.
+EVALUATE = "evaluate"
 
 
 class ParamGuard:
@@ -177,6 +179,8 @@ class StageCompute:
         sizes = [x.shape[0] for x in xs]
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         stage = self.stage if previous is None else previous.module(self.stage)
+        if head.kind == EVALUATE:
+            return self._evaluate(stage, xs, others)
         if head.kind == FORWARD:
             with torch.no_grad(), self.autocast():
                 y = stage(x)  # (B, T, C)
@@ -202,6 +206,16 @@ class StageCompute:
             grad_x = self._gradients(batch, total, None, x, sizes)
             losses = [float(v.detach()) for v in loss_sums]
         return self._answers(grad_x, sizes, losses)
+
+    def _evaluate(self, stage: Callable, xs: list, others: list) -> list[Answer]:
+        """Held-out samples forward, one call alone (`Work.replay`: never batched): activations, or
+        at the last stage the sample-summed loss the training call computes, with no graph built."""
+        (x,) = xs
+        with torch.no_grad(), self.autocast():
+            if self.stage.is_last:
+                return [Answer(None, float(stage(x, others[0])))]
+            y = stage(x)  # (B, T, C)
+        return [Answer(t) for t in self.lane.download([y.float()])]
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """A leaf to differentiate against (token ids of the first stage take no gradient)."""

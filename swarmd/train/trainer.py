@@ -50,6 +50,7 @@ from swarmd.job.spec import JobSpec
 from swarmd.train import progress
 from swarmd.train.assignment import Assignment, TakeoverPolicy
 from swarmd.train.errors import InputRefused, TrainerError
+from swarmd.train.evaluation import Evaluation, EvaluationConfig
 from swarmd.train.events import EventSink, StatusEvent, StepEvent
 from swarmd.train.held import HeldTensors, StageTensors
 from swarmd.train.replies import (
@@ -130,6 +131,8 @@ class TrainerConfig:
     # Where finished microbatches' tensors wait for their step's commit (held.py); None: the system's temp dir.
     held_dir: str | None = None
     wiring: WiringConfig = field(default_factory=WiringConfig)
+    # Held-out evaluation of jobs with [eval] (evaluation.py).
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     def __post_init__(self) -> None:
         positive = ("forward_timeout_s", "backward_timeout_s", "info_timeout_s", "stage_info_timeout_s",
@@ -225,6 +228,9 @@ class Trainer:
         self._served: list[set[bytes]] = [set() for _ in range(self.num_stages)]
         self._info_skips = [progress.InfoSkips(config.stage_info_skip_s, config.stage_info_skip_max_s)
                             for _ in range(self.num_stages)]
+        # Shard 0 evaluates the job's held-out samples when its [eval] says so (evaluation.py).
+        self._evaluation = Evaluation(spec, job_id, pool, self.wiring, data, config, self._ban) \
+            if shard == 0 and spec.eval.enabled and data.eval_batch_count() else None
         self.in_memory = 0  # microbatches whose tensors are in memory now (in flight)
         self.peak_in_memory = 0
 
@@ -474,6 +480,8 @@ class Trainer:
         finally:
             await asyncio.shield(self._held.drop(step))
         elapsed = max(asyncio.get_running_loop().time() - started, 1e-9)
+        evaluated = await self._evaluation.run(step + 1, self._shapes) \
+            if self._evaluation is not None and self._evaluation.due(step + 1) else None
         known = [d for d in done.values() if d.loss_sum is not None]
         samples = sum(d.samples for d in done.values())
         loss = sum(d.loss_sum for d in known)
@@ -494,6 +502,7 @@ class Trainer:
             duplicates=tuple(duplicates for _, duplicates in stage_records),
             taken_over=sum(d.taken_over for d in done.values()),
             answers_lost=counters.answers_lost,
+            evaluation=evaluated,
         )
         log.info("step %d shard loss %.4f, %.0f tokens/s, %d retries, %d bans, %d taken over", step,
                  event.shard_loss, event.tokens_per_s, event.retries, event.bans, event.taken_over)
