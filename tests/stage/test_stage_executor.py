@@ -52,6 +52,8 @@ async def running(compute: Compute, workers: int = 1, **limits):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         executor.close(RuntimeError("closed"))
+        compute.gate.set()
+        await executor.join()
 
 
 async def entered(compute: Compute) -> None:
