@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -65,3 +67,31 @@ def _tracemalloc_left_off() -> object:
     if tracemalloc.is_tracing() and not tracing_before:
         tracemalloc.stop()
         pytest.fail("the test left tracemalloc tracing; stop what you start")
+
+
+#: Threads swarmd names for its own workers (stage compute "stage0_0", auxiliary "stage0-aux_0",
+#: the gossip view's "gossip-view_0"): checked even when a library marks them daemon threads.
+SWARMD_THREADS = ("stage", "gossip-view")
+#: How long a test's own threads get to end after its teardown: a pool shut down without waiting ends
+#: its idle threads within milliseconds; one still running by then was left behind.
+THREAD_GRACE_S = 2.0
+
+
+def _left_running(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.is_alive()
+            and (not t.daemon or t.name.startswith(SWARMD_THREADS))]
+
+
+@pytest.fixture(autouse=True)
+def _threads_joined() -> object:
+    """A test that leaves a non-daemon thread, or a swarmd worker thread, running (a stage stopped
+    without joining its compute threads, a pool never shut down) fails: such a thread keeps the
+    process from exiting and runs on into later tests. Set up before and torn down after every
+    other function fixture, so what the test's fixtures close is closed by then."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + THREAD_GRACE_S
+    while (left := _left_running(before)) and time.monotonic() < deadline:
+        left[0].join(deadline - time.monotonic())
+    if left:
+        pytest.fail(f"the test left threads running: {', '.join(sorted(t.name for t in left))}")
