@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import pytest
 SUPPORT = str(Path(__file__).parent / "_support")
 if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
+
+from threads import left_running  # noqa: E402 - importable once SUPPORT is on sys.path
 
 
 #: What a test starts when it starts swarmd code: a daemon, swarmctl, a Python helper script (also
@@ -69,18 +70,6 @@ def _tracemalloc_left_off() -> object:
         pytest.fail("the test left tracemalloc tracing; stop what you start")
 
 
-#: Threads swarmd names for its own workers (stage compute "stage0_0", auxiliary "stage0-aux_0",
-#: the gossip view's "gossip-view_0"): checked even when a library marks them daemon threads.
-SWARMD_THREADS = ("stage", "gossip-view")
-#: How long a test's own threads get to end after its teardown: a pool shut down without waiting ends
-#: its idle threads within milliseconds; one still running by then was left behind.
-THREAD_GRACE_S = 2.0
-
-
-def _left_running(before: set[threading.Thread]) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t not in before and t.is_alive()
-            and (not t.daemon or t.name.startswith(SWARMD_THREADS))]
-
 
 @pytest.fixture(autouse=True)
 def _threads_joined() -> object:
@@ -90,8 +79,6 @@ def _threads_joined() -> object:
     other function fixture, so what the test's fixtures close is closed by then."""
     before = set(threading.enumerate())
     yield
-    deadline = time.monotonic() + THREAD_GRACE_S
-    while (left := _left_running(before)) and time.monotonic() < deadline:
-        left[0].join(deadline - time.monotonic())
+    left = left_running(before)
     if left:
         pytest.fail(f"the test left threads running: {', '.join(sorted(t.name for t in left))}")
