@@ -1,6 +1,9 @@
 """The one place tests/_support joins sys.path: pytest's importlib mode gives a test module no way to
 import a conftest, so the shared daemon harness, spec builder and `wait_for` live there as plain
-modules (`from daemons import Spawner`, `from waiting import wait_for`, `from jobspec import write_job`)."""
+modules (`from daemons import Spawner`, `from waiting import wait_for`, `from jobspec import write_job`).
+
+Rules checked around every test: one that starts swarmd code in a process is marked `slow`; one
+leaves neither tracemalloc tracing nor a thread running (`threads.left_running`)."""
 
 from __future__ import annotations
 
