@@ -153,8 +153,12 @@ class Client:
     async def cancel(self, job: str) -> dict[str, Any]:
         return await self.call("job.cancel", job=job)
 
-    async def train(self, job: str, data: Sequence[str], shard: int = 0, shards: int = 1) -> dict[str, Any]:
-        return await self.call("job.train", job=job, data=list(data), shard=shard, shards=shards)
+    async def train(self, job: str, data: Sequence[str], shard: int = 0, shards: int = 1,
+                    eval_data: Sequence[str] = ()) -> dict[str, Any]:
+        """`eval_data`: the data of the job's `eval.files` for shard 0 (default: the spec's
+        patterns, absolute ones only)."""
+        return await self.call("job.train", job=job, data=list(data), shard=shard, shards=shards,
+                               eval_data=list(eval_data))
 
     async def serve(self, job: str, stage: int | None = None) -> dict[str, Any]:
         return await self.call("job.serve", job=job, stage=stage)
@@ -202,8 +206,9 @@ class SyncClient:
     def cancel(self, job: str) -> dict[str, Any]:
         return self._run("cancel", job)
 
-    def train(self, job: str, data: Sequence[str], shard: int = 0, shards: int = 1) -> dict[str, Any]:
-        return self._run("train", job, data, shard, shards)
+    def train(self, job: str, data: Sequence[str], shard: int = 0, shards: int = 1,
+              eval_data: Sequence[str] = ()) -> dict[str, Any]:
+        return self._run("train", job, data, shard, shards, eval_data)
 
     def serve(self, job: str, stage: int | None = None) -> dict[str, Any]:
         return self._run("serve", job, stage)

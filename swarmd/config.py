@@ -543,15 +543,41 @@ class TrainerSection:
         "another trainer's microbatch is taken over only after it looked undone this long (trainers of one "
         "job start seconds apart; taking a live trainer's share is wasted work)",
     )
+    eval_workers: int = setting(
+        4, _int_kind(1), "held-out batches ([eval]) one evaluation keeps in flight: bounded so it never floods the "
+                         "stages' queues",
+    )
+    eval_max_attempts: int = setting(
+        8, _int_kind(1), "peers one stage.evaluate call may try before the evaluation is given up (never fatal)",
+    )
+
+    stage_info_straggler_s: float = setting(
+        0.5, _float_kind(0.0),
+        "once one peer of a stage answered stage.info, how much longer the others get (the spread of round "
+        "trips to a stage's peers); then they count as not answering",
+    )
+    stage_info_skip_s: float = setting(
+        5.0, _float_kind(0.0),
+        "a peer that did not answer stage.info in time is not asked again for this long, doubling per miss "
+        "(a hung peer must not cost every commit poll)",
+    )
+    stage_info_skip_max_s: float = setting(
+        60.0, _float_kind(0.0), "the longest a peer that keeps missing stage.info is left out of the polls",
+    )
 
     def trainer_config(self) -> Any:
         """The `swarmd.train.TrainerConfig` these settings make (imported here: torch loads with it)."""
         from swarmd.train.assignment import TakeoverPolicy
+        from swarmd.train.evaluation import EvaluationConfig
         from swarmd.train.trainer import TrainerConfig
         from swarmd.train.wiring import WiringConfig
 
         return TrainerConfig(forward_timeout_s=self.forward_timeout_s, backward_timeout_s=self.backward_timeout_s,
+                             stage_info_straggler_s=self.stage_info_straggler_s,
+                             stage_info_skip_s=self.stage_info_skip_s, stage_info_skip_max_s=self.stage_info_skip_max_s,
                              takeover=TakeoverPolicy(min_s=self.takeover_min_s),
+                             evaluation=EvaluationConfig(workers=self.eval_workers,
+                                                         max_attempts=self.eval_max_attempts),
                              wiring=WiringConfig(timeout_floor_s=self.timeout_floor_s,
                                                  timeout_factor=self.timeout_factor))
 

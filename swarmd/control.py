@@ -175,6 +175,12 @@ def register(router: Router, daemon: DaemonView) -> None:
                 raise RpcError("bad_request", f"{name}: an integer")
         if not 1 <= shards <= per_step or not 0 <= shard < shards:
             raise RpcError("bad_request", f"shard: shard in 0..shards-1, shards in 1..{per_step}")
+        eval_data = req.meta.get("eval_data") or []
+        if not isinstance(eval_data, list) or not all(isinstance(p, str) for p in eval_data):
+            raise RpcError("bad_request", "eval_data: a list of absolute paths")
+        if shard == 0 and job.spec.eval.files is not None:  # shard 0 evaluates (docs/trainer.md)
+            with _job_errors():
+                await daemon.jobs.attach_eval_data(job, eval_data, req.peer.peercred)
         await daemon.training.start(job, range(shard, shard + 1), shards)
         return Message({"job": job.job_id.hex(), "trainer": f"{shard}/{shards}"})
 

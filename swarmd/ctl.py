@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--data", action="append", required=True, metavar="PATH", help="local data (repeatable)")
     train.add_argument("--shard", type=int, default=0, metavar="k", help="which shard of each step's microbatches")
     train.add_argument("--shards", type=int, default=1, metavar="K", help="how many trainer shards split a step")
+    train.add_argument("--eval-data", action="append", default=[], metavar="PATH",
+                       help="local data of the job's [eval] files, for shard 0, which evaluates (repeatable; "
+                            "default: the spec's eval.files patterns, absolute ones only)")
     serve = command("serve", "serve a stage of a job (pin by hand)")
     serve.add_argument("job")
     serve.add_argument("--stage", type=int, metavar="I")
@@ -205,8 +208,10 @@ def _jobs_text(jobs: list[dict[str, Any]]) -> str:
 
 def _job_text(job: dict[str, Any]) -> str:
     loss = "-" if job["loss"] is None else f"{job['loss']:.4f}"
+    # Older daemons' replies carry no eval_loss; a job without [eval] has none.
+    held_out = "" if job.get("eval_loss") is None else f", eval loss {job['eval_loss']:.4f} (step {job['eval_step']})"
     lines = [f"job        {job['job']} ({job['name']})", f"status     {job['status']}",
-             f"step       {job['step']} / {job['steps']}, loss {loss}, {job['samples_per_s']:.1f} samples/s"]
+             f"step       {job['step']} / {job['steps']}, loss {loss}{held_out}, {job['samples_per_s']:.1f} samples/s"]
     for stage in job["stages"]:
         peers = ", ".join(f"{p['address']} (step {p['step']}, {p['samples_per_s']:.1f}/s, queue {p['queue']})"
                           for p in stage["peers"]) or "no peers"
@@ -297,6 +302,7 @@ class _ProgressBar:
     def __init__(self, out: Any, steps: int, colour: bool) -> None:
         self.out, self.steps, self.colour = out, max(int(steps), 1), colour
         self.last: dict[str, Any] | None = None
+        self.eval_loss: float | None = None  # the last held-out loss seen ([eval])
 
     def _paint(self, code: str, text: str) -> str:
         return f"\x1b[{code}m{text}\x1b[0m" if self.colour else text
@@ -304,6 +310,8 @@ class _ProgressBar:
     def show(self, event: dict[str, Any]) -> None:
         if event["kind"] == "step":
             self.last = event
+            if event.get("eval_loss") is not None:
+                self.eval_loss = event["eval_loss"]
         else:
             line = _event_text(event)
             self.out.write("\r\x1b[K" + (self._paint("33", line) if event["kind"] == "warning" else line) + "\n")
@@ -318,7 +326,8 @@ class _ProgressBar:
         loss = "-" if e.get("loss") is None else f"{e['loss']:.4f}"
         rate = "-" if e.get("tokens_per_s") is None else f"{e['tokens_per_s']:,.0f}"
         peers = "·".join(str(n) for n in e.get("peers_per_stage") or []) or "-"
-        self.out.write(f"\r[{bar}] step {e['step']}/{self.steps}  loss {loss}  tokens/s {rate}  "
+        held_out = "" if self.eval_loss is None else f"  eval {self.eval_loss:.4f}"
+        self.out.write(f"\r[{bar}] step {e['step']}/{self.steps}  loss {loss}{held_out}  tokens/s {rate}  "
                        f"peers/stage {peers}\x1b[K")
         self.out.flush()
 
@@ -332,6 +341,8 @@ def _event_text(event: dict[str, Any]) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(event["ts"]))
     loss = "" if event.get("loss") is None else f" loss {event['loss']:.4f}"
     rate = "" if event.get("tokens_per_s") is None else f" {event['tokens_per_s']:.0f} tokens/s"
+    if event.get("eval_step") is not None:  # a step event with a held-out evaluation ([eval])
+        loss += " eval given up" if event.get("eval_loss") is None else f" eval loss {event['eval_loss']:.4f}"
     return f"{when} {event['kind']:<7} step {event['step']}{loss}{rate}  {event['message']}".rstrip()
 
 
@@ -367,7 +378,8 @@ def run_command(args: argparse.Namespace) -> None:
     elif cmd == "cancel":
         _emit(args, client.cancel(args.job), str)
     elif cmd == "train":
-        _emit(args, client.train(args.job, [str(Path(d).resolve()) for d in args.data], args.shard, args.shards), str)
+        _emit(args, client.train(args.job, [str(Path(d).resolve()) for d in args.data], args.shard, args.shards,
+                                 [str(Path(d).resolve()) for d in args.eval_data]), str)
     elif cmd == "serve":
         _emit(args, client.serve(args.job, args.stage), str)
 

@@ -259,6 +259,8 @@ class Daemon:
         self.training = Training(self.pool, directory, cfg.trainer.trainer_config(),
                                  supervisor=Supervisor("trainers", self.faults))
         closers.append(("trainers", self.training.close))
+        self.metrics.evaluations = self.training.evaluations
+        self.metrics.eval_loss.set_function(lambda: self.training.last_eval_loss)
         # Stopped before the stages close, so a drain is not remembered as "serves nothing".
         self.joining = Joining(self.job_registry, self.serving, RememberedStages(cfg.daemon.state_dir),
                                peer_id=self.identity.peer_id, serve=cfg.jobs.serve, max_stages=cfg.jobs.max_stages,

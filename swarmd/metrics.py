@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -32,6 +33,8 @@ REQUEST_READ_TIMEOUT_S = 5.0
 
 #: The closed set of outcome label values.
 OUTCOMES = ("ok", "error", "cancelled")
+#: Outcomes of a trainer's held-out evaluation ([eval], swarmd/train/evaluation.py).
+EVAL_OUTCOMES = ("ok", "given_up")
 
 
 class Metrics:
@@ -82,6 +85,13 @@ class Metrics:
             "swarmd_rebalance_moving_seconds_total", "Wall time spent in rebalancing moves (drain and state "
             "download), failed ones included.", registry=r,
         )
+        # Not labelled by job: a job id is any submitter's to mint. Per job, the curve is in
+        # `job.get` (eval_loss) and the step events; this is the daemon's last word, for alerts.
+        self.eval_loss = Gauge("swarmd_trainer_eval_loss", "Held-out loss ([eval]) this daemon's trainers "
+                               "measured last, whatever the job; NaN before any.", registry=r)
+        self.eval_loss.set(math.nan)
+        #: Held-out evaluations by outcome (the trainers' own dict, read live); `None` until they exist.
+        self.evaluations: dict[str, int] | None = None
         self.rebalance_jobs = Gauge("swarmd_rebalance_jobs", "Jobs this daemon gossips load and checks moves for.",
                                     registry=r)
 
@@ -121,6 +131,13 @@ class _Counted:
         for reason in (*REJECTION_REASONS, *VALUE_REFUSALS):
             refused.add_metric([reason], refused_records.get(reason, 0))
         yield refused
+        evaluations = self._metrics.evaluations or {}
+        evaluated = CounterMetricFamily("swarmd_trainer_evaluations", "Held-out evaluations ([eval]) this daemon's "
+                                        "trainers ran, by outcome (given_up: the swarm could not answer them).",
+                                        labels=["outcome"])
+        for outcome in EVAL_OUTCOMES:
+            evaluated.add_metric([outcome], evaluations.get(outcome, 0))
+        yield evaluated
         stats = self._metrics.dht_lookups or LookupStats()
         lookups = CounterMetricFamily("swarmd_dht_lookups", "Iterative DHT lookups this node ran, by kind "
                                       "(find_node, find_value) and outcome.", labels=["kind", "outcome"])

@@ -8,7 +8,9 @@ and see the same samples in the same order; any gap between them is what the swa
 
 The swarm's curve comes from the job's `step` events (`job.logs`, docs/control-api.md), or from a
 recorded JSON-lines file of them (`--events`), which is how the demo and the benchmark plot a run
-after its daemons are gone. matplotlib is imported only when drawing, with the file-only Agg backend.
+after its daemons are gone. A job with `[eval]` adds its held-out loss curve: the step events
+that carry an evaluation (`eval_loss`, `eval_step`), and the baseline evaluating the same held-out
+samples after the same steps, so train and eval curves of both runs share the axis. matplotlib is imported only when drawing, with the file-only Agg backend.
 
 `swarmd.ctl` declares the `plot` subcommand's flags with the others and calls `plot_command(args)`;
 `ControlError` and `DaemonUnavailable` propagate to swarmctl's usual handling.
@@ -42,13 +44,24 @@ class LossCurve:
     steps: tuple[int, ...]
     losses: tuple[float, ...]
     global_samples: int
+    # "train": each step's batch loss before its update; "eval": the held-out loss of the
+    # parameters step s produced ([eval]), drawn with markers.
+    kind: str = "train"
 
     @property
     def samples(self) -> list[int]:
         return [(s + 1) * self.global_samples for s in self.steps]
 
     def final_loss(self, fraction: float = FINAL_FRACTION) -> float:
+        """A training curve's level at the end (mean of its last `fraction`); an eval curve's last
+        evaluation (each is already a mean over the same held-out samples)."""
+        if self.kind == "eval":
+            return self.losses[-1] if self.losses else math.nan
         return final_loss(self.losses, fraction)
+
+    @property
+    def summary_key(self) -> str:
+        return self.label.split(" ")[0] + ("_eval_loss" if self.kind == "eval" else "_final_loss")
 
 
 def final_loss(losses: Sequence[float], fraction: float = FINAL_FRACTION) -> float:
@@ -80,6 +93,20 @@ def curve_from_events(events: Iterable[dict[str, Any]], global_samples: int, lab
     return LossCurve(label, tuple(steps), tuple(float(e["loss"]) for e in steps.values()), global_samples)
 
 
+def eval_curve_from_events(events: Iterable[dict[str, Any]], global_samples: int,
+                           label: str = "swarm eval") -> LossCurve:
+    """The held-out losses the step events carry (`eval_loss` of the parameters after `eval_step`
+    steps; given-up evaluations, with no loss, are left out), by step index eval_step - 1."""
+    by_step: dict[int, float] = {}
+    for event in events:
+        loss, step = event.get("eval_loss"), event.get("eval_step")
+        if event.get("kind") == "step" and isinstance(loss, (int, float)) and math.isfinite(loss) \
+                and isinstance(step, int) and step > 0:
+            by_step[step - 1] = float(loss)
+    ordered = sorted(by_step.items())
+    return LossCurve(label, tuple(s for s, _ in ordered), tuple(v for _, v in ordered), global_samples, "eval")
+
+
 def curve_from_reference(summary: dict[str, Any], global_samples: int, label: str = "baseline") -> LossCurve:
     """From the JSON `python -m swarmd.reference --out` writes."""
     losses = tuple(float(x) for x in summary["losses"])
@@ -91,18 +118,31 @@ def baseline_curve(spec: "JobSpec", base_dir: Path, steps: int | None = None, th
     """Train the reference on the spec in this process (`threads` torch threads) for `steps`
     (default: the spec's); relative data paths are taken from `base_dir`. Raises DataError when
     the data cannot be read."""
+    return baseline_curves(spec, base_dir, steps, threads, progress)[0]
+
+
+def baseline_curves(spec: "JobSpec", base_dir: Path, steps: int | None = None, threads: int = 1,
+                    progress: Callable[[int, float], None] | None = None) -> list[LossCurve]:
+    """`baseline_curve`, and with `[eval]` its held-out curve too: the reference evaluated after
+    the steps the swarm evaluates after (EvalSpec.due)."""
     import torch
 
     from swarmd.reference import ReferenceTrainer
 
     torch.set_num_threads(threads)
     trainer = ReferenceTrainer.from_spec(spec, base_dir)
-    losses = []
+    losses, evaluated = [], {}
     for _ in range(spec.steps if steps is None else steps):
         losses.append(trainer.train_step().loss)
+        if spec.eval.due(len(losses), spec.steps):
+            evaluated[len(losses) - 1] = trainer.evaluate()
         if progress is not None:
             progress(len(losses) - 1, losses[-1])
-    return LossCurve("baseline (one process)", tuple(range(len(losses))), tuple(losses), spec.batch.global_samples)
+    gs = spec.batch.global_samples
+    curves = [LossCurve("baseline (one process)", tuple(range(len(losses))), tuple(losses), gs)]
+    if spec.eval.enabled:
+        curves.append(LossCurve("baseline eval (one process)", tuple(evaluated), tuple(evaluated.values()), gs, "eval"))
+    return curves
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -128,13 +168,21 @@ def render(curves: Sequence[LossCurve], path: Path, title: str, marks: Sequence[
 
     fig, ax = plt.subplots(figsize=(9, 5))
     styles = [dict(color="tab:blue", lw=1.6), dict(color="black", lw=1.2, ls="--"), dict(color="tab:green", lw=1.2)]
-    for curve, style in zip(curves, styles * (len(curves) // len(styles) + 1)):
+    trained = [c for c in curves if c.kind != "eval"]
+    for curve, style in zip(trained, styles * (len(trained) // len(styles) + 1)):
         ax.plot(curve.samples, curve.losses, label=f"{curve.label}: final {curve.final_loss():.3f}", **style)
+    # Held-out curves: markers at each evaluation, the swarm's filled orange, the baseline's larger,
+    # hollow and dashed black on top (the two coincide when the swarm is exact).
+    evals = [dict(color="tab:orange", lw=1.2, marker="o", ms=4),
+             dict(color="black", lw=1.0, ls="--", marker="o", ms=8, mfc="none")]
+    for curve, style in zip([c for c in curves if c.kind == "eval"], evals * len(curves)):
+        ax.plot(curve.samples, curve.losses, label=f"{curve.label}: last {curve.final_loss():.3f}", **style)
     for i, x in enumerate(marks):
         ax.axvline(x, color="tab:red", lw=0.7, alpha=0.5, ls=":", label=f"{mark_label} ({len(marks)})" if i == 0 else None)
     ax.set_title(title)
     ax.set_xlabel("samples seen")
-    ax.set_ylabel("training loss (mean cross-entropy per byte, nats)")
+    held_out = any(c.kind == "eval" for c in curves)
+    ax.set_ylabel(("training and held-out" if held_out else "training") + " loss (mean cross-entropy per token, nats)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=9)
     fig.tight_layout()
@@ -182,6 +230,9 @@ def plot_command(args: argparse.Namespace) -> int:
     if not swarm.steps:
         return _fail(args, f"job {args.job} has no step with a loss yet")
     curves = [swarm]
+    held_out = eval_curve_from_events(events, global_samples)
+    if held_out.steps:
+        curves.append(held_out)
     if args.baseline is not None:
         try:
             curves.append(curve_from_reference(json.loads(args.baseline.read_text()), global_samples,
@@ -190,11 +241,11 @@ def plot_command(args: argparse.Namespace) -> int:
             return _fail(args, f"{args.baseline}: cannot read baseline: {exc}")
     elif want_baseline:
         try:
-            curves.append(baseline_curve(spec, base_dir, steps=max(swarm.steps) + 1, threads=args.threads))
+            curves += baseline_curves(spec, base_dir, steps=max(swarm.steps) + 1, threads=args.threads)
         except (SpecError, DataError) as exc:
             return _fail(args, f"baseline of {spec.name}: {exc}")
     path = render(curves, args.output, f"{title}: loss against samples seen")
-    summary = {"output": str(path), **{c.label.split(" ")[0] + "_final_loss": c.final_loss() for c in curves}}
+    summary = {"output": str(path), **{c.summary_key: c.final_loss() for c in curves}}
     if args.json:
         sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
     else:

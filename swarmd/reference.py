@@ -61,7 +61,8 @@ class ReferenceTrainer:
 
     @classmethod
     def from_spec(cls, spec: JobSpec, base_dir: str | Path, device: torch.device | str = "cpu") -> "ReferenceTrainer":
-        data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, base_dir)
+        data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, base_dir,
+                                  evaluation=spec.eval)
         return cls(spec, data, device)
 
     def train_step(self) -> ReferenceStep:
@@ -84,6 +85,20 @@ class ReferenceTrainer:
         result = ReferenceStep(self.step, loss_sum / samples, reports)
         self.step += 1
         return result
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss of the job's held-out samples ([eval]) on the parameters now: what a
+        swarm trainer's evaluation after the same number of steps reports (swarmd/train/evaluation.py)."""
+        loss_sum, samples = 0.0, 0
+        for index in range(self.data.eval_batch_count()):
+            batch = self.data.eval_batch(index)
+            with self.precision.autocast(self.device):
+                loss_sum += self.model(batch.inputs.to(self.device), batch.targets.to(self.device)).item()
+            samples += len(batch.sample_indices)
+        if not samples:
+            raise ValueError("the job has no [eval] samples")
+        return loss_sum / samples
 
     def _scaled_microbatch(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """fp16 as the swarm runs it: each stage's backward seeded with its incoming gradient times

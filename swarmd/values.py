@@ -142,10 +142,16 @@ class JobProgress:
     samples_per_s: float
     at: float  # wall time the submitter's daemon stored it
     recent: tuple[tuple[int, float], ...] = ()  # (steps committed, loss), ascending, the last few
+    # (steps committed, held-out loss) of the last few evaluations ([eval]), ascending; left out
+    # of the record when empty, so a job without [eval] publishes what it did before.
+    evaluated: tuple[tuple[int, float], ...] = ()
 
     def to_msgpack(self) -> bytes:
-        return msgpack.packb({"step": self.step, "loss": self.loss, "samples_per_s": self.samples_per_s,
-                              "at": self.at, "recent": [list(p) for p in self.recent]}, use_bin_type=True)
+        fields = {"step": self.step, "loss": self.loss, "samples_per_s": self.samples_per_s, "at": self.at,
+                  "recent": [list(p) for p in self.recent]}
+        if self.evaluated:
+            fields["evaluated"] = [list(p) for p in self.evaluated]
+        return msgpack.packb(fields, use_bin_type=True)
 
 
 # ------------------------------------------------------------------------------ schemas (pure)
@@ -257,12 +263,7 @@ def decode_progress(value: bytes, steps: int) -> JobProgress:
     if not isinstance(fields, dict):
         raise ValueRefused("bad_job_progress", "not a map")
     step, loss, rate, at = (fields.get(k) for k in ("step", "loss", "samples_per_s", "at"))
-    recent = fields.get("recent", [])
-    if not (isinstance(recent, list) and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 1, steps)
-                                             and _is_real(p[1]) for p in recent)):
-        raise ValueRefused("bad_job_progress", f"recent is not a list of [step in 1..{steps}, loss] pairs")
-    if any(a[0] >= b[0] for a, b in zip(recent, recent[1:])):
-        raise ValueRefused("bad_job_progress", "recent steps are not ascending")
+    recent, evaluated = (_progress_points(fields, name, steps) for name in ("recent", "evaluated"))
     if not _is_int(step, 0, steps):
         raise ValueRefused("bad_job_progress", f"step {step!r} is not in 0..{steps}")
     if loss is not None and not _is_real(loss):
@@ -271,8 +272,18 @@ def decode_progress(value: bytes, steps: int) -> JobProgress:
         raise ValueRefused("bad_job_progress", f"samples_per_s {rate!r} is not a finite rate")
     if not _is_real(at):
         raise ValueRefused("bad_job_progress", f"at {at!r} is not a time")
-    return JobProgress(step, None if loss is None else float(loss), float(rate), float(at),
-                       tuple((n, float(x)) for n, x in recent))
+    return JobProgress(step, None if loss is None else float(loss), float(rate), float(at), recent, evaluated)
+
+
+def _progress_points(fields: dict, name: str, steps: int) -> tuple[tuple[int, float], ...]:
+    """A progress record's `name` list of [steps committed, loss] pairs: steps ascending in 1..steps."""
+    points = fields.get(name, [])
+    if not (isinstance(points, list) and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 1, steps)
+                                             and _is_real(p[1]) for p in points)):
+        raise ValueRefused("bad_job_progress", f"{name} is not a list of [step in 1..{steps}, loss] pairs")
+    if any(a[0] >= b[0] for a, b in zip(points, points[1:])):
+        raise ValueRefused("bad_job_progress", f"{name} steps are not ascending")
+    return tuple((n, float(x)) for n, x in points)
 
 
 # ------------------------------------------------------------------------------ the reader

@@ -13,6 +13,7 @@ from swarmd.job.spec import (
     BatchSpec,
     CheckpointSpec,
     DataSpec,
+    EvalSpec,
     JobSpec,
     ModelSpec,
     OptimSpec,
@@ -24,7 +25,7 @@ from swarmd.job.spec import (
 
 __all__ = [
     "MAX_SPEC_BYTES", "MAX_TEXT_BYTES", "AccessDenied", "BatchSampler", "BatchSpec", "ByteTokenizer",
-    "CheckpointSpec", "DataError", "DataSpec", "GlobLimits", "JobSpec", "Microbatch", "ModelSpec", "OptimSpec",
+    "CheckpointSpec", "DataError", "DataSpec", "EvalSpec", "GlobLimits", "JobSpec", "Microbatch", "ModelSpec", "OptimSpec",
     "PipelineSpec", "Reader", "SpecError", "Sources", "TokenDataset", "TrainingData", "WireSpec", "load_spec",
     "named_sources", "open_training_data", "parse_toml", "read_tokens", "resolve_sources",
 ]

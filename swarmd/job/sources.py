@@ -27,7 +27,7 @@ import numpy as np
 from swarmd.job.data import MAX_TEXT_BYTES, TokenDataset, TrainingData
 from swarmd.job.errors import SpecError
 from swarmd.job.opening import AccessDenied, NotAFile, OpenedFile, Opener, Reader
-from swarmd.job.spec import BatchSpec, DataSpec
+from swarmd.job.spec import BatchSpec, DataSpec, EvalSpec, eval_data_spec
 from swarmd.tokenfile import TokenDtype, TokenFileError, map_tokens
 
 STDLIB_PLACEHOLDER = "{stdlib}"
@@ -249,10 +249,18 @@ def _map_tokens(opened: OpenedFile, token_dtype: TokenDtype) -> np.ndarray:
 
 
 def open_training_data(data: DataSpec, batch: BatchSpec, vocab: int, seed: int, base_dir: str | Path,
-                       max_text_bytes: int = MAX_TEXT_BYTES) -> TrainingData:
+                       max_text_bytes: int = MAX_TEXT_BYTES, evaluation: EvalSpec | None = None) -> TrainingData:
     """A local tool's data (the reference trainer, benches): found and read as this process."""
     tokens = read_tokens(resolve_sources(data, base_dir), max_text_bytes)
-    return TrainingData(TokenDataset(tokens, data.seq_len, vocab), batch, seed)
+    held_out = None
+    if evaluation is not None and evaluation.enabled and evaluation.files is not None:
+        eval_data = eval_data_spec(data, evaluation)
+        try:
+            eval_tokens = read_tokens(resolve_sources(eval_data, base_dir), max_text_bytes)
+        except SpecError as exc:  # named after the [eval] field it came from
+            raise SpecError("eval.files", exc.message) from None
+        held_out = TokenDataset(eval_tokens, data.seq_len, vocab)
+    return TrainingData(TokenDataset(tokens, data.seq_len, vocab), batch, seed, evaluation, held_out)
 
 
 __all__ = ["MAX_DATA_PATHS", "GlobLimits", "Sources", "expand_path", "named_sources",

@@ -75,7 +75,19 @@ LIMITS: dict[str, Limit] = {
     "pipeline.microbatches_in_flight": Limit("MAX_IN_FLIGHT", 256, "a trainer holds each one's tensors until "
                                                                    "its backward returns"),
     "checkpoint.every_steps": Limit("MAX_STEPS", 100_000_000, "as steps"),
+    "eval.every_steps": Limit("MAX_STEPS", 100_000_000, "as steps"),
+    "eval.samples": Limit("MAX_EVAL_SAMPLES", 65_536, "held-out samples one evaluation pushes forward through "
+                                                      "every stage; a trainer holds their losses, the data "
+                                                      "their windows"),
+    "eval.files": Limit("MAX_DATA_PATTERNS", 64, "as data.files"),
+    "eval.holdout": Limit("MAX_HOLDOUT", 0.5, "a fraction of the data never trained on; past half, the "
+                                              "job would train on the smaller part"),
 }
+# How much forward work evaluation may add to training's, a spec from the DHT being what sets it:
+# eval.samples over eval.every_steps steps of batch.global_samples samples each. At 1, evaluation's
+# forwards are at most the forwards training makes between two evaluations (and a training sample
+# also costs a backward: twice a forward), so a spec cannot turn serving daemons into evaluators.
+MAX_EVAL_SHARE = 1
 
 
 Codec = Literal["none", "fp16", "lz4", "fp16+lz4", "int8"]
@@ -223,6 +235,48 @@ class ComputeSpec:
 
 MAX_GROWTH_INTERVAL = 1_000_000
 
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """[eval]: held-out evaluation (docs/jobs.md, "Held-out evaluation"). After every `every_steps`
+    commits (and after the last step) a trainer pushes the same `samples` held-out samples forward
+    through the swarm and reports their mean loss. They come either from a `holdout` fraction of
+    the data's samples, drawn from the job's seed and never sampled by training, or from `files`
+    of their own (globs as `data.files`, read as `[data]` is: text bytes, or with `data.tokens`
+    one token file of `data.token_dtype`). `every_steps = 0` (the default, and the only value an
+    absent table gives) evaluates never."""
+
+    every_steps: int = 0
+    samples: int = 0
+    holdout: float = 0.0
+    files: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("every_steps", "must not be negative (0: never)")
+        if self.every_steps == 0:
+            if self.samples or self.holdout or self.files is not None:
+                raise ConfigError("every_steps", "must be at least 1 when eval.samples, eval.holdout or "
+                                                 "eval.files is set")
+            return
+        if self.samples < 1:
+            raise ConfigError("samples", "must be at least 1 (held-out samples per evaluation)")
+        if self.files is not None:
+            if self.holdout:
+                raise ConfigError("files", "give exactly one of eval.holdout and eval.files")
+            if not self.files:
+                raise ConfigError("files", "must list at least one pattern")
+        elif not self.holdout > 0:  # NaN too; the upper bound is LIMITS' MAX_HOLDOUT
+            raise ConfigError("holdout", "must be a positive fraction of the data's samples (or give eval.files)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0
+
+    def due(self, committed: int, steps: int) -> bool:
+        """Is an evaluation due once `committed` steps are committed (of the job's `steps`)?"""
+        return self.enabled and committed > 0 and (committed % self.every_steps == 0 or committed == steps)
+
 _SECTIONS: dict[str, type] = {"data": DataSpec, "batch": BatchSpec, "optim": OptimSpec, "wire": WireSpec,
                               "pipeline": PipelineSpec, "checkpoint": CheckpointSpec}
 _REQUIRED = ("name", "steps", "model", "data", "batch")
@@ -241,6 +295,7 @@ class JobSpec:
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     compute: ComputeSpec = field(default_factory=ComputeSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
 
     @classmethod
     def from_dict(cls, raw: Any) -> "JobSpec":
@@ -271,6 +326,8 @@ class JobSpec:
             # Only when set: a default job's canonical form (and id) stays what daemons that
             # predate [compute] publish and accept.
             out["compute"] = table_to_dict(self.compute)
+        if self.eval.enabled:  # likewise: a job without [eval] keeps the id it had before [eval] existed
+            out["eval"] = {k: v for k, v in table_to_dict(self.eval).items() if v is not None}
         init = {k: v for k, v in (("init", self.model.init), ("init_digest", self.model.init_digest)) if v is not None}
         out["model"] = dict(sorted({"arch": self.model.arch, **table_to_dict(self.model.config), **init}.items()))
         return dict(sorted(out.items()))
@@ -308,7 +365,7 @@ def load_spec(path: str | Path) -> JobSpec:
 def _parse(raw: Any) -> JobSpec:
     if not isinstance(raw, Mapping):
         raise SpecError("<spec>", "must be a table")
-    known = {"name", "seed", "steps", "model", "compute", *_SECTIONS}
+    known = {"name", "seed", "steps", "model", "compute", "eval", *_SECTIONS}
     for key in raw:
         if key not in known:
             raise SpecError(str(key), f"unknown key (known: {', '.join(sorted(known))})")
@@ -327,9 +384,33 @@ def _parse(raw: Any) -> JobSpec:
     sections = {key: parse_table(cls, raw.get(key, {}), key) for key, cls in _SECTIONS.items()}
     model = _parse_model(raw["model"], sections["data"])
     compute = parse_table(ComputeSpec, raw.get("compute", {}), "compute")
-    spec = JobSpec(name=name, seed=seed, steps=steps, model=model, compute=compute, **sections)
+    evaluation = parse_table(EvalSpec, raw.get("eval", {}), "eval")
+    if evaluation.files is not None and sections["data"].tokens is not None and len(evaluation.files) != 1:
+        raise SpecError("eval.files", "with data.tokens, names one token file (of data.token_dtype)")
+    spec = JobSpec(name=name, seed=seed, steps=steps, model=model, compute=compute, eval=evaluation, **sections)
     check_limits(spec)
+    _check_eval_share(spec)
     return spec
+
+
+def _check_eval_share(spec: JobSpec) -> None:
+    """eval.samples within MAX_EVAL_SHARE of the samples trained between two evaluations."""
+    allowed = MAX_EVAL_SHARE * spec.eval.every_steps * spec.batch.global_samples
+    if spec.eval.enabled and spec.eval.samples > allowed:
+        raise SpecError("eval.samples", f"is {spec.eval.samples}, over MAX_EVAL_SHARE ({MAX_EVAL_SHARE}) x "
+                                        f"eval.every_steps ({spec.eval.every_steps}) x batch.global_samples "
+                                        f"({spec.batch.global_samples}) = {allowed}: evaluation may not make "
+                                        "more forward work than the training between two evaluations")
+
+
+def eval_data_spec(data: DataSpec, evaluation: EvalSpec) -> DataSpec:
+    """The `[data]` table `eval.files` stands for: the same seq_len and kind of file."""
+    files = evaluation.files
+    if files is None:
+        raise ValueError("this [eval] has no files")
+    if data.tokens is not None:
+        return DataSpec(seq_len=data.seq_len, tokens=files[0], token_dtype=data.token_dtype)
+    return DataSpec(seq_len=data.seq_len, files=files)
 
 
 def check_limits(spec: JobSpec) -> None:

@@ -14,7 +14,8 @@ schemas, and the one place they are decoded, are in `swarmd.values`):
   key), so nobody else can end a job; a record anyone else stores there is refused and logged
   once. An ended job stays in its submitter's index, so every daemon learns it ended rather than
   only that it is gone.
-- `("job", job_id, "progress")`: the step, loss and samples/s the job is at, as the submitter's
+- `("job", job_id, "progress")`: the step, loss and samples/s the job is at (and, with `[eval]`, its
+  recent held-out losses), as the submitter's
   daemon knows them from its trainers, re-stored when they change (at the join loop's pace, about
   every `jobs.join_interval_s`). Only the submitter's record is read, as for the end: a daemon
   that did not submit the job shows these in `swarmctl jobs`/`job` (read when asked, at most every
@@ -43,7 +44,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from swarmd.errors import LocalError
 from swarmd.jobs.probing import Prober
-from swarmd.job import JobSpec, SpecError
+from swarmd.job import DataSpec, JobSpec, SpecError
+from swarmd.job.spec import eval_data_spec
 from swarmd.job.opening import AccessDenied, Reader
 from swarmd.job.sources import GlobLimits, Sources, named_sources, resolve_sources
 from swarmd.values import (
@@ -103,8 +105,12 @@ class Job:
     state: str = "waiting"
     step: int = 0
     loss: float | None = None
+    # The last held-out evaluation's mean loss ([eval]) and the steps committed it evaluated.
+    eval_loss: float | None = None
+    eval_step: int | None = None
     samples_per_s: float = 0.0
     sources: Sources | None = None
+    eval_sources: Sources | None = None  # the data of `eval.files`, for this daemon's shard-0 trainer
     events: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_EVENTS))
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     emitted: int = 0  # events ever added; the deque holds the last MAX_EVENTS of them
@@ -174,13 +180,15 @@ class JobRegistry:
         except SpecError as exc:
             raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
         sources = await self._off_loop(self._readable_sources, spec, data, base, peercred)
+        eval_sources = None if spec.eval.files is None else \
+            await self._off_loop(self._readable_eval_sources, spec, (), base, peercred)
         job_id = spec.job_id(self.identity.public_key)
         if job_id in self.jobs:
             return self.jobs[job_id]
         limit = self.index_limits.max_ids_per_submitter
         if sum(j.local for j in self.jobs.values()) >= limit:
             raise JobRequestError("busy", f"this daemon already submitted {limit} jobs (jobs.max_jobs_per_submitter)")
-        job = Job(job_id, spec, self.identity.public_key, local=True, sources=sources)
+        job = Job(job_id, spec, self.identity.public_key, local=True, sources=sources, eval_sources=eval_sources)
         self.jobs[job_id] = job
         try:
             if start is not None:
@@ -196,6 +204,12 @@ class JobRegistry:
         """Local data for one more trainer of `job` (job.train), checked like a submission's."""
         job.sources = await self._off_loop(self._readable_sources, job.spec, data, None, peercred)
 
+    async def attach_eval_data(self, job: Job, eval_data: Sequence[str], peercred: tuple[int, int, int] | None) -> None:
+        """The data of the job's `eval.files` for the trainer that evaluates (shard 0, job.train):
+        `eval_data` paths, or else the spec's patterns, which then must be absolute (no spec file
+        here to start relative ones from)."""
+        job.eval_sources = await self._off_loop(self._readable_eval_sources, job.spec, eval_data, None, peercred)
+
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
 
@@ -205,6 +219,15 @@ class JobRegistry:
         and checked by `swarmd.job.opening`, never judged by its text. `data` paths (from
         `swarmctl submit --data`) replace the spec's own; otherwise the spec's relative paths
         start at `base`, the spec file's directory as swarmctl resolved it."""
+        return self._readable(spec.data, spec, data, base, peercred, "data")
+
+    def _readable_eval_sources(self, spec: JobSpec, data: Sequence[str], base: str | None,
+                               peercred: tuple[int, int, int] | None) -> Sources:
+        """`_readable_sources` for `eval.files` (errors name `eval.files`)."""
+        return self._readable(eval_data_spec(spec.data, spec.eval), spec, data, base, peercred, "eval.files")
+
+    def _readable(self, wanted: DataSpec, spec: JobSpec, data: Sequence[str], base: str | None,
+                  peercred: tuple[int, int, int] | None, what: str) -> Sources:
         if peercred is None:
             raise JobRequestError("forbidden", "no peer credentials: cannot tell whose data this is")
         reader = Reader.of_user(peercred[1], peercred[2])
@@ -213,13 +236,14 @@ class JobRegistry:
                 return named_sources(data, spec.data.tokens is not None, reader, spec.data.token_dtype)
             if base is not None and not Path(base).is_absolute():
                 raise SpecError("base", f"{base} is not an absolute directory")
-            return resolve_sources(spec.data, base or "/", self.glob_limits, reader)
+            return resolve_sources(wanted, base or "/", self.glob_limits, reader)
         except SpecError as exc:
-            raise JobRequestError("bad_request", f"{exc.field}: {exc.message}") from None
+            field = exc.field if what == "data" or exc.field == "base" else what
+            raise JobRequestError("bad_request", f"{field}: {exc.message}") from None
         except AccessDenied as exc:
-            raise JobRequestError("forbidden", f"data: {exc}") from None
+            raise JobRequestError("forbidden", f"{what}: {exc}") from None
         except OSError as exc:
-            raise JobRequestError("bad_request", f"data: {exc}") from None
+            raise JobRequestError("bad_request", f"{what}: {exc}") from None
 
     def _publish(self, job: Job) -> None:
         value = job.spec.to_msgpack()
@@ -232,14 +256,17 @@ class JobRegistry:
         """Re-store the progress record of each job submitted here whose step, loss or rate changed
         (announcing the same key again stores it now); the join loop calls this every tick."""
         for job in (j for j in self.jobs.values() if j.local and j.ended is None):
-            now = (job.step, job.loss, job.samples_per_s)
+            now = (job.step, job.loss, job.samples_per_s, job.eval_step)
             if job.step == 0 or self._progress_sent.get(job.job_id) == now:
                 continue
             self._progress_sent[job.job_id] = now
             recent = [(e["step"], e["loss"]) for e in job.events if e["kind"] == "step" and e["loss"] is not None
                       and math.isfinite(e["loss"])]
             recent = sorted(dict(recent).items())[-MAX_PROGRESS_POINTS:]  # one loss per step, the last said
-            value = JobProgress(job.step, job.loss, job.samples_per_s, time.time(), tuple(recent)).to_msgpack()
+            evaluated = sorted({e["eval_step"]: e["eval_loss"] for e in job.events
+                                if e["kind"] == "step" and e.get("eval_loss") is not None}.items())[-MAX_PROGRESS_POINTS:]
+            value = JobProgress(job.step, job.loss, job.samples_per_s, time.time(), tuple(recent),
+                                tuple(evaluated)).to_msgpack()
             self._progress[job.job_id] = self.dht.announce(progress_key(job.job_id), lambda v=value: v)
 
     async def read_progress(self, job: Job) -> None:
@@ -251,12 +278,16 @@ class JobRegistry:
         progress = await self.values.progress(job.job_id, job.submitter, job.spec.steps)
         if progress is None or progress.step < job.step:
             return
+        held_out = dict(progress.evaluated)
         if job.sources is None:  # no trainer here: its step events are the submitter's, as published
             for step, loss in (p for p in progress.recent if p[0] > job.step):
                 job.step, job.loss = step, loss
+                evaluated = {"eval_loss": held_out[step], "eval_step": step} if step in held_out else {}
                 job.event("step", f"step {step - 1} committed (as its submitter published)",
-                          samples_per_s=progress.samples_per_s, published=True)
+                          samples_per_s=progress.samples_per_s, published=True, **evaluated)
         job.step, job.loss, job.samples_per_s = progress.step, progress.loss, progress.samples_per_s
+        if progress.evaluated and (job.eval_step is None or progress.evaluated[-1][0] >= job.eval_step):
+            job.eval_step, job.eval_loss = progress.evaluated[-1]
         if job.state == "waiting":
             job.state = "running"
 
@@ -265,7 +296,8 @@ class JobRegistry:
         read first, at most `lookups_per_refresh` reads (a stranger's many jobs cost no more)."""
         due = [j for j in self.jobs.values() if not j.local and j.ended is None and j.job_id in self.listed]
         due.sort(key=lambda j: j.progress_read_at)
-        await asyncio.gather(*(self.read_progress(j) for j in due[:self.index_limits.lookups_per_refresh]))
+        if due:
+            await asyncio.gather(*(self.read_progress(j) for j in due[:self.index_limits.lookups_per_refresh]))
 
     def _index_value(self) -> bytes:
         # Ended jobs stay listed: readers then find their end record and show how they ended.
@@ -484,7 +516,7 @@ class JobRegistry:
             status = f"{job.state}: every stage has peers"
         return {"job": job.job_id.hex(), "name": job.spec.name, "state": state, "status": status,
                 "submitter": job.submitter.hex(), "step": job.step, "steps": job.spec.steps, "loss": job.loss,
-                "samples_per_s": job.samples_per_s, "stages": stages,
+                "eval_loss": job.eval_loss, "eval_step": job.eval_step, "samples_per_s": job.samples_per_s, "stages": stages,
                 "end": None if job.ended is None else job.ended.as_dict()}
 
     async def cancel(self, job: Job, by: str = "swarmctl cancel") -> None:

@@ -24,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from typing import Any
 
 from swarmd.job import TokenDataset, TrainingData, read_tokens
 from swarmd.jobs.registry import FINAL_STATES, Job
+from swarmd.metrics import EVAL_OUTCOMES
 from swarmd.supervisor import Supervisor
 from swarmd.train.errors import TrainerError
 from swarmd.train.events import StatusEvent, StepEvent
@@ -56,13 +58,21 @@ class Training:
         self._commits: dict[bytes, collections.deque[tuple[int, float]]] = {}  # job -> (step, commit time)
         self._live: dict[bytes, list[Trainer]] = {}  # job -> its trainers still running here
         self._past_bans: dict[bytes, collections.deque[BanRecord]] = {}  # job -> bans of its finished trainers
+        # Held-out evaluations this daemon's trainers ran, by outcome, and the last loss (any job):
+        # read by the metrics at scrape time.
+        self.evaluations: dict[str, int] = dict.fromkeys(EVAL_OUTCOMES, 0)
+        self.last_eval_loss = math.nan
 
     async def start(self, job: Job, shards: range, of: int) -> None:
         """Open the job's data (off the loop) and run the given shards in supervised tasks."""
         assert job.sources is not None
         spec = job.spec
         tokens = await asyncio.to_thread(read_tokens, job.sources)
-        data = TrainingData(TokenDataset(tokens, spec.data.seq_len, spec.model.config.vocab), spec.batch, spec.seed)
+        vocab = spec.model.config.vocab
+        held_out = None
+        if job.eval_sources is not None and 0 in shards:  # eval.files, for shard 0 which evaluates
+            held_out = TokenDataset(await asyncio.to_thread(read_tokens, job.eval_sources), spec.data.seq_len, vocab)
+        data = TrainingData(TokenDataset(tokens, spec.data.seq_len, vocab), spec.batch, spec.seed, spec.eval, held_out)
         for shard in shards:
             trainer = Trainer(spec, job.job_id, self.directory, self.pool, data, shard=shard, shards=of,
                               config=self.config, on_event=lambda e, s=shard: self._on_event(job, s, e))
@@ -119,12 +129,26 @@ class Training:
         job.step = event.step + 1
         job.loss = event.global_loss if event.global_loss is not None else event.shard_loss
         job.samples_per_s = self._rate(job, event)
-        job.event("step", f"shard {shard}: step {event.step} committed", tokens_per_s=event.tokens_per_s,
+        evaluated = self._evaluated(job, event)
+        job.event("step", f"shard {shard}: step {event.step} committed", tokens_per_s=event.tokens_per_s, **evaluated,
                   samples_per_s=job.samples_per_s,
                   shard=shard, shard_loss=event.shard_loss, samples=event.samples, retries=event.retries,
                   peers_per_stage=list(event.peers_per_stage), stage_samples=list(event.stage_samples),
                   duplicates=list(event.duplicates), taken_over=event.taken_over,
                   answers_lost=event.answers_lost)
+
+    def _evaluated(self, job: Job, event: StepEvent) -> dict[str, Any]:
+        """The step event's evaluation fields (none when the step had no evaluation): `eval_loss`
+        (None: given up, `eval_failed` says why), the step it evaluated, its samples and seconds."""
+        result = event.evaluation
+        if result is None:
+            return {}
+        self.evaluations["ok" if result.loss is not None else "given_up"] += 1
+        if result.loss is not None:
+            job.eval_loss, job.eval_step = result.loss, result.version
+            self.last_eval_loss = result.loss
+        return {"eval_loss": result.loss, "eval_step": result.version, "eval_samples": result.samples,
+                "eval_s": result.elapsed_s, **({"eval_failed": result.why} if result.why else {})}
 
     def _rate(self, job: Job, event: StepEvent) -> float:
         """The job's samples/s: global batches over the time between the last RATE_WINDOW steps'

@@ -11,6 +11,7 @@ batch sees one parameter version from its first kernel to its last.
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -24,6 +25,8 @@ from swarmd.stage.accumulator import Accumulator
 from swarmd.stage.errors import StaleStep
 
 FORWARD, BACKWARD, FORWARD_BACKWARD = "forward", "backward", "forward_backward"
+# `stage.evaluate`: forward only, no gradient anywhere; the last stage answers the loss sum.
+EVALUATE = "evaluate"
 
 
 class ParamGuard:
@@ -117,9 +120,21 @@ class Previous:
 
     step: int
     params: dict[str, torch.Tensor]
+    _built: list[Stage] = field(default_factory=list, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
-    def module(self, stage: Stage) -> Callable:
-        return lambda *args: torch.func.functional_call(stage, self.params, args)
+    def module(self, stage: Stage) -> Stage:
+        """A copy of `stage` on these parameters (sharing their storage; buffers copied), built once.
+        The live module is never touched: `torch.func.functional_call` swapped the live module's
+        parameters in place for the call's duration, so a batch on the live parameters in the other
+        compute thread ran on these, or a mix, and summed a wrong gradient (issue 14: a trainer
+        cancelled mid-step left the parameters 0.92 off the reference about one run in four)."""
+        with self._lock:
+            if not self._built:
+                memo = {id(p): torch.nn.Parameter(self.params[name], requires_grad=False)
+                        for name, p in stage.named_parameters()}
+                self._built.append(copy.deepcopy(stage, memo))
+            return self._built[0]
 
 
 class StageCompute:
@@ -164,6 +179,8 @@ class StageCompute:
         sizes = [x.shape[0] for x in xs]
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         stage = self.stage if previous is None else previous.module(self.stage)
+        if head.kind == EVALUATE:
+            return self._evaluate(stage, xs, others)
         if head.kind == FORWARD:
             with torch.no_grad(), self.autocast():
                 y = stage(x)  # (B, T, C)
@@ -183,12 +200,22 @@ class StageCompute:
                     total = stage(x, other)  # the sample-summed loss, exactly as a direct call
                     loss_sums = [total]
                 else:
-                    per_sample = self.stage.sample_losses(x, other)  # (B,)
+                    per_sample = stage.sample_losses(x, other)  # (B,)
                     total = per_sample.sum()
                     loss_sums = [part.sum() for part in per_sample.split(sizes)]
             grad_x = self._gradients(batch, total, None, x, sizes)
             losses = [float(v.detach()) for v in loss_sums]
         return self._answers(grad_x, sizes, losses)
+
+    def _evaluate(self, stage: Callable, xs: list, others: list) -> list[Answer]:
+        """Held-out samples forward, one call alone (`Work.replay`: never batched): activations, or
+        at the last stage the sample-summed loss the training call computes, with no graph built."""
+        (x,) = xs
+        with torch.no_grad(), self.autocast():
+            if self.stage.is_last:
+                return [Answer(None, float(stage(x, others[0])))]
+            y = stage(x)  # (B, T, C)
+        return [Answer(t) for t in self.lane.download([y.float()])]
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """A leaf to differentiate against (token ids of the first stage take no gradient)."""

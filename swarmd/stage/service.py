@@ -31,7 +31,8 @@ from swarmd.model.precision import Precision, PrecisionError
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
-from swarmd.stage.compute import BACKWARD, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous, StageCompute, Work
+from swarmd.stage.compute import (BACKWARD, EVALUATE, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous,
+                                  StageCompute, Work)
 from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan, StageCore, initial_digest,
                                jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
@@ -348,6 +349,49 @@ class StageService:
         answer, admitted = await self._compute_call(req, FORWARD_BACKWARD)
         tensors = [] if answer.tensor is None else [answer.tensor]
         return Message({"loss_sum": answer.loss_sum, **admitted}, tensors, codec=self.spec.wire.gradients)
+
+    async def evaluate(self, req: Request) -> Message:
+        """`stage.evaluate {version, samples}` with [x] (and [targets] at the last stage): held-out
+        samples forward on the parameters of `version` (steps committed), for a trainer's evaluation
+        (swarmd/train/evaluation.py). Forward only: no graph, no claim, nothing accumulated, so the
+        step's sums are what they are without it. It queues on the stage's executor like any compute
+        call (`busy` when the queue is full) and never waits for a commit: `version` must be the
+        live parameters or the step just committed (kept for replays); older is `stale_step`,
+        newer `not_ready` (this peer lags its mates: the trainer asks another)."""
+        if self.state != Phase.SERVING:
+            raise busy(f"this peer is {self.state}")
+        version, samples = req.meta.get("version"), req.meta.get("samples")
+        if type(version) is not int or version < 0 or type(samples) is not int:
+            raise bad_input("stage.evaluate needs int 'version' >= 0 and int 'samples'")
+        if not 1 <= samples <= self.spec.batch.microbatch_samples:
+            raise bad_input(f"samples is {samples}, must be 1..{self.spec.batch.microbatch_samples}")
+        x, targets = await self._check_tensors(FORWARD_BACKWARD if self.stage.is_last else FORWARD, req.tensors,
+                                               samples)
+        committed, kept = self.committed, self._previous
+        if version > committed:
+            raise not_ready(f"the parameters of step {version} were asked; this peer has committed {committed}")
+        if version < committed and (kept is None or kept.step != version):
+            raise StaleStep(version, committed).to_rpc()
+        # `replay`: computed alone, on the kept parameters when `version` is the step just committed.
+        work = Work(EVALUATE, version, -1, x, targets, False, asyncio.get_running_loop().create_future(),
+                    epoch=self._state_epoch, replay=True, deadline=req.deadline)
+        try:
+            self.executor.submit(work)
+        except QueueFull as exc:
+            work.future.cancel()
+            raise busy(str(exc)) from None
+        try:
+            answer = await asyncio.shield(work.future)
+        except StaleStep as exc:
+            raise exc.to_rpc() from None
+        except asyncio.CancelledError:
+            work.abandoned = True
+            raise
+        if work.used != version:  # the state was replaced meanwhile (a download)
+            raise StaleStep(version, self.committed).to_rpc()
+        if self.stage.is_last:
+            return Message({"version": version, "loss_sum": answer.loss_sum}, codec="none")
+        return Message({"version": version}, [answer.tensor], codec=self.spec.wire.activations)
 
     async def _compute_call(self, req: Request, kind: str) -> tuple[Any, dict[str, Any]]:
         """Run one call; returns its answer and the reply's admission meta (`duplicate`: this peer

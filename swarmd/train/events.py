@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from swarmd.train.evaluation import EvalResult
+
 
 @dataclass(frozen=True)
 class StepEvent:
@@ -27,6 +29,10 @@ class StepEvent:
     # Microbatches whose answer a stage committed past before this trainer got it: the stages below
     # it summed a zero gradient for them (docs/trainer.md, "No trainer dies of a late reply").
     answers_lost: int = 0
+    # The held-out evaluation of the parameters this step produced (version step + 1), when one was
+    # due ([eval] every_steps, and the last step) and this trainer evaluates (shard 0); its `loss`
+    # is None when it was given up (`why` says why).
+    evaluation: EvalResult | None = None
 
 
 @dataclass(frozen=True)

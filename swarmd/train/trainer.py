@@ -20,8 +20,14 @@ What it keeps its promises with (docs/trainer.md, "Invariants"):
   work is done by the others.
 - Memory bounded by the work in flight: a finished microbatch's tensors, needed only for a re-send,
   go to disk (`held.py`).
-- A step's commit is watched by asking every stage at once, each peer with a short timeout, and a
-  stage is settled by its first peer past the step: one hung peer costs one short timeout per poll.
+- A step's commit is watched by asking every stage at once, each peer with a short timeout and
+  the stragglers a shorter one once a peer answered; a peer that did not answer in time is not
+  asked for a while: one hung peer costs one straggler wait now and then, not a timeout per poll.
+- No one peer's word decides for a stage (docs/security.md, "Progress lies"): a stage's step is the
+  lower median of its peers' claims, preferring peers that served this trainer (`progress.py`);
+  `stale_step` is believed once the stage's step confirms it; `bad_input` blames the input only
+  when a peer that served this trainer, or every peer of the stage, refuses it, and a peer that
+  refused an input a stage-mate then accepted is banned.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from swarmd.job.spec import JobSpec
 from swarmd.train import progress
 from swarmd.train.assignment import Assignment, TakeoverPolicy
 from swarmd.train.errors import InputRefused, TrainerError
+from swarmd.train.evaluation import Evaluation, EvaluationConfig
 from swarmd.train.events import EventSink, StatusEvent, StepEvent
 from swarmd.train.held import HeldTensors, StageTensors
 from swarmd.train.replies import (
@@ -82,6 +89,13 @@ class TrainerConfig:
     # stage.info calls (a commit watch, a joining trainer): every peer of every stage is asked at once,
     # each for at most this long (answered from memory, so a peer slower than this is hung or overloaded).
     stage_info_timeout_s: float = 2.0
+    # Once one peer of a stage answered stage.info, the others get at most this much longer (the
+    # spread of round trips to a stage's peers, not a compute time), then they count as not answering.
+    stage_info_straggler_s: float = 0.5
+    # A peer that did not answer stage.info in time is not asked again for this long, doubling with
+    # each further miss up to the max; one answer clears it (a hung peer must not cost every poll).
+    stage_info_skip_s: float = 5.0
+    stage_info_skip_max_s: float = 60.0
     # Directory re-read period (the paper's code: 30 s; shorter finds replacements sooner).
     refresh_s: float = 5.0
     # Pause when every usable peer of a stage failed one call, or when a stage has no peers at all:
@@ -117,16 +131,20 @@ class TrainerConfig:
     # Where finished microbatches' tensors wait for their step's commit (held.py); None: the system's temp dir.
     held_dir: str | None = None
     wiring: WiringConfig = field(default_factory=WiringConfig)
+    # Held-out evaluation of jobs with [eval] (evaluation.py).
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     def __post_init__(self) -> None:
         positive = ("forward_timeout_s", "backward_timeout_s", "info_timeout_s", "stage_info_timeout_s",
-                    "refresh_s", "wait_initial_s", "wait_max_s", "commit_poll_s", "commit_poll_max_s",
-                    "commit_status_after_s")
+                    "stage_info_straggler_s", "stage_info_skip_s", "stage_info_skip_max_s", "refresh_s",
+                    "wait_initial_s", "wait_max_s", "commit_poll_s", "commit_poll_max_s", "commit_status_after_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainerConfig.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.verify_fraction <= 1 or not self.verify_rtol > 0:
             raise ValueError("TrainerConfig.verify_fraction must be in [0, 1] and verify_rtol positive")
+        if self.stage_info_skip_max_s < self.stage_info_skip_s:
+            raise ValueError("TrainerConfig.stage_info_skip_max_s must be >= stage_info_skip_s")
         if self.ban_log_kept < 1:
             raise ValueError("TrainerConfig.ban_log_kept must be >= 1")
         if self.max_bad_input < 1 or self.resend_grace_s < 0 or self.uncovered_grace_s < 0:
@@ -151,11 +169,12 @@ class _Stale(Exception):
 
 @dataclass
 class _Attempts:
-    """One call's retry state: peers it already failed on, and how many full rounds it paused."""
+    """One call's retry state: peers it already failed on, how many full rounds it paused, and the
+    peers that refused its input as bad_input (peer id -> (peer, their reason))."""
 
     tried: set[bytes] = field(default_factory=set)
     rounds: int = 0
-    refused: int = 0
+    refusers: dict[bytes, tuple[StagePeer, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,6 +223,14 @@ class Trainer:
         self._verify_rng = random.Random(f"verify {config.wiring.seed} {shard}")
         self._held: HeldTensors | None = None
         self._takeover_slots = asyncio.Semaphore(1)  # replaced per commit watch
+        # Per stage, the peers whose compute replies this trainer used (and has not banned since):
+        # their stage.info answers decide for the stage when any answers (progress.voters).
+        self._served: list[set[bytes]] = [set() for _ in range(self.num_stages)]
+        self._info_skips = [progress.InfoSkips(config.stage_info_skip_s, config.stage_info_skip_max_s)
+                            for _ in range(self.num_stages)]
+        # Shard 0 evaluates the job's held-out samples when its [eval] says so (evaluation.py).
+        self._evaluation = Evaluation(spec, job_id, pool, self.wiring, data, config, self._ban) \
+            if shard == 0 and spec.eval.enabled and data.eval_batch_count() else None
         self.in_memory = 0  # microbatches whose tensors are in memory now (in flight)
         self.peak_in_memory = 0
 
@@ -410,8 +437,9 @@ class Trainer:
                 wiring.timed_out(pick, loop.time() - started, time.time())
             except RemoteError as exc:
                 if exc.code == STALE_STEP:
-                    raise _Stale(f"stage {stage} peer {pick.peer.addr}: {exc.message}") from None
-                if exc.code not in (BUSY, CODE_OVERLOADED, CODE_DEADLINE, NOT_READY, BAD_INPUT):
+                    if await self._stale_confirmed(stage, step, pick, exc):
+                        raise _Stale(f"stage {stage} peer {pick.peer.addr}: {exc.message}") from None
+                elif exc.code not in (BUSY, CODE_OVERLOADED, CODE_DEADLINE, NOT_READY, BAD_INPUT):
                     self._ban(stage, pick.peer, str(exc))
             except (ConnectionLost, ProtocolError, LocalProtocolError) as exc:
                 self._ban(stage, pick.peer, f"stage.forward: {exc}")
@@ -419,6 +447,7 @@ class Trainer:
                 problem = await asyncio.to_thread(check_forward, reply, expected)
                 if problem is None:
                     wiring.completed(pick, loop.time() - started)
+                    self._served[stage].add(pick.peer.peer_id)
                     return pick.peer, reply.tensors[0]
                 self._ban(stage, pick.peer, f"stage.forward returned a bad reply: {problem}")
             failed.add(pick.peer.peer_id)
@@ -451,6 +480,8 @@ class Trainer:
         finally:
             await asyncio.shield(self._held.drop(step))
         elapsed = max(asyncio.get_running_loop().time() - started, 1e-9)
+        evaluated = await self._evaluation.run(step + 1, self._shapes) \
+            if self._evaluation is not None and self._evaluation.due(step + 1) else None
         known = [d for d in done.values() if d.loss_sum is not None]
         samples = sum(d.samples for d in done.values())
         loss = sum(d.loss_sum for d in known)
@@ -471,6 +502,7 @@ class Trainer:
             duplicates=tuple(duplicates for _, duplicates in stage_records),
             taken_over=sum(d.taken_over for d in done.values()),
             answers_lost=counters.answers_lost,
+            evaluation=evaluated,
         )
         log.info("step %d shard loss %.4f, %.0f tokens/s, %d retries, %d bans, %d taken over", step,
                  event.shard_loss, event.tokens_per_s, event.retries, event.bans, event.taken_over)
@@ -491,16 +523,28 @@ class Trainer:
         delay = self.config.commit_poll_s
         loop = asyncio.get_running_loop()
         began = loop.time()
+        # A stage that committed step s + 1 had every microbatch of s + 1 pass through every stage,
+        # which each accepts only once it committed s (with delayed updates, s - 1): so once any
+        # stage's agreed step is `lead` past `step`, every stage has committed `step`, whatever
+        # its own answers say (a liar's low claim beside one honest peer, to a trainer behind).
+        lead = 3 if self.spec.pipeline.delayed_updates else 2
+        furthest = -1
         try:
             while len(committed) < self.num_stages:
                 pending = [i for i in range(self.num_stages) if i not in committed]
                 answers = await self._poll_stages(pending)
+                voting = {i: progress.voters(answers[i], self._served[i]) for i in pending}
+                furthest = max([furthest, *(a for a in map(progress.agreed_step, voting.values()) if a is not None)])
                 undone: set[int] = set()
                 fresh: set[int] = set()  # undone even at the last stage: started nowhere
                 for i in pending:
-                    infos = list(answers[i].values())
+                    infos = voting[i]
                     finished = progress.committed(infos, step)
                     self._commit_status(i, step, infos, finished, loop.time() - began)
+                    if not finished and furthest >= step + lead:
+                        log.info("stage %d taken as past step %d: another stage agrees on step %d", i, step, furthest)
+                        committed[i] = (-1, -1)
+                        continue
                     if finished:
                         # A peer's step count can move a moment before its step record lands: ask
                         # again a few times for the record, then do without it.
@@ -509,7 +553,7 @@ class Trainer:
                         if record != (-1, -1) or unrecorded[i] > RECORD_POLLS:
                             committed[i] = record
                         continue
-                    await self._resend_lost(i, step, answers[i], watches[i], done)
+                    await self._resend_lost(i, step, answers[i], infos, watches[i], done)
                     ids = self._step_ids(step)
                     here = {mb - ids.start for mb in progress.uncovered_everywhere(infos, step, set(ids))}
                     undone |= here
@@ -557,9 +601,11 @@ class Trainer:
             takeovers[index] = asyncio.create_task(run(), name=f"takeover {step}/{index}")
 
     async def _resend_lost(self, stage: int, step: int, answers: dict[bytes, dict[str, Any]],
-                           watch: progress.LossWatch, done: dict[int, _Done]) -> None:
+                           infos: list[dict[str, Any]], watch: progress.LossWatch, done: dict[int, _Done]) -> None:
+        """Re-send what the stage lost of this trainer's microbatches: `missing` in any answer,
+        `uncovered` by the answers that vote (`infos`, progress.voters); `answers` has every peer's."""
         by_id = {d.mb_id: d for d in done.values()}
-        lost = watch.lost(list(answers.values()), step, set(by_id), asyncio.get_running_loop().time())
+        lost = watch.lost(infos, step, set(by_id), asyncio.get_running_loop().time(), list(answers.values()))
         for mb in [mb for mb in lost if
                    progress.as_int(answers.get(self._held_by.get((stage, mb)), {}).get("step"), -1) == step]:
             del lost[mb]  # its holder answered at this step: the reports lag what it holds
@@ -606,22 +652,50 @@ class Trainer:
             self._resent_at[key] = asyncio.get_running_loop().time()
 
     async def _poll_stages(self, stages: list[int]) -> dict[int, dict[bytes, dict[str, Any]]]:
-        """Every given stage's answers, all asked at once, each peer for `stage_info_timeout_s`."""
-        answers = await asyncio.gather(*(self._stage_answers(i, self.config.stage_info_timeout_s) for i in stages))
+        """Every given stage's answers, all stages asked at once (`_stage_answers`)."""
+        answers = await asyncio.gather(*(self._stage_answers(i) for i in stages))
         return dict(zip(stages, answers))
 
-    async def _stage_answers(self, stage: int, timeout: float) -> dict[bytes, dict[str, Any]]:
+    async def _stage_answers(self, stage: int) -> dict[bytes, dict[str, Any]]:
         """peer id -> `stage.info` meta, for the stage's unbanned peers that answered in time
-        (benched peers too: a bench is about compute calls, and they may hold the step's work)."""
+        (benched peers too: a bench is about compute calls, and they may hold the step's work).
+        All are asked at once, each for at most `stage_info_timeout_s`; once one has answered, the
+        others get `stage_info_straggler_s` more. A peer that did not answer in time is not asked
+        again for a while (`progress.InfoSkips`), unless no peer of the stage would be asked."""
         peers = await self._usable_peers(stage, benched_too=True)
-        results = await asyncio.gather(*(self._info(stage, peer, timeout) for peer in peers))
-        return {peer.peer_id: r for peer, r in zip(peers, results) if r is not None}
-
-    async def _info(self, stage: int, peer: StagePeer, timeout: float) -> dict[str, Any] | None:
-        message = Message({"job": self.job_id, "stage": stage}, codec="none")
+        skips = self._info_skips[stage]
+        loop = asyncio.get_running_loop()
+        skipped = skips.skipped(loop.time())
+        asked = [peer for peer in peers if peer.peer_id not in skipped] or peers
+        calls = {asyncio.create_task(self._info(stage, peer), name=f"stage.info {stage} {peer.addr}"): peer
+                 for peer in asked}
+        answers: dict[bytes, dict[str, Any]] = {}
+        pending = set(calls)
+        until = loop.time() + self.config.stage_info_timeout_s
         try:
-            reply = await self.pool.call(peer.addr, "stage.info", message, timeout=timeout)
+            while pending and (left := until - loop.time()) > 0:
+                finished, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    meta = task.result()
+                    if meta is not None:
+                        if not answers:
+                            until = min(until, loop.time() + self.config.stage_info_straggler_s)
+                        answers[calls[task].peer_id] = meta
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for task in pending:
+            skips.missed(calls[task].peer_id, loop.time())
+        return answers
+
+    async def _info(self, stage: int, peer: StagePeer) -> dict[str, Any] | None:
+        message = Message({"job": self.job_id, "stage": stage}, codec="none")
+        skips = self._info_skips[stage]
+        try:
+            reply = await self.pool.call(peer.addr, "stage.info", message, timeout=self.config.stage_info_timeout_s)
         except DeadlineExceeded:
+            skips.missed(peer.peer_id, asyncio.get_running_loop().time())
             return None
         except RemoteError as exc:
             if exc.code not in (BUSY, CODE_OVERLOADED, CODE_DEADLINE):
@@ -630,18 +704,22 @@ class Trainer:
         except (ConnectionLost, ProtocolError, LocalProtocolError) as exc:
             self._ban(stage, peer, f"stage.info: {exc}")
             return None
+        skips.answered(peer.peer_id)
         return reply.meta
 
     async def _swarm_step(self) -> int:
         """Where a joining trainer starts: the step every stage has reached (a stage's step is the
-        highest any of its peers committed)."""
+        lower median of its answering peers' claims, `progress.agreed_step`: one peer claiming a
+        far step in every stage must not make the trainer, and through its calls the stages, skip
+        the steps between)."""
 
         async def stage_step(i: int) -> int:
             rounds = 0
-            while not (infos := list((await self._stage_answers(i, self.config.stage_info_timeout_s)).values())):
+            while (agreed := progress.agreed_step(progress.voters(await self._stage_answers(i),
+                                                                  self._served[i]))) is None:
                 await asyncio.sleep(self._backoff(rounds))  # peers announced, none answering yet
                 rounds += 1
-            return max(progress.as_int(info.get("step")) for info in infos)
+            return agreed
 
         return min(await asyncio.gather(*(stage_step(i) for i in range(self.num_stages))))
 
@@ -683,13 +761,22 @@ class Trainer:
                 if kind is not Kind.FORWARD and peer.peer_id not in attempts.tried:
                     again = peer.peer_id
             except RemoteError as exc:
-                self._on_remote_error(stage, pick, exc, attempts, loop.time() - started, mb)
+                if exc.code == STALE_STEP:
+                    if await self._stale_confirmed(stage, step, pick, exc):
+                        raise _Stale(f"stage {stage} peer {peer.addr}: {exc.message}") from None
+                else:
+                    self._on_remote_error(stage, pick, exc, attempts, loop.time() - started, mb)
             except (ConnectionLost, ProtocolError) as exc:
                 self._ban(stage, peer, f"{method}: {exc}")
             else:
                 problem = await asyncio.to_thread(check, reply)
                 if problem is None:
                     wiring.completed(pick, loop.time() - started)
+                    self._served[stage].add(peer.peer_id)
+                    for refuser, why in attempts.refusers.values():
+                        if refuser.peer_id != peer.peer_id:
+                            self._ban(stage, refuser, f"refused microbatch {mb.id} of step {step} as bad_input "
+                                                      f"({why}), which stage-mate {peer.addr} then accepted")
                     return reply, peer
                 self._ban(stage, peer, f"{method} returned a bad reply: {problem}")
             attempts.tried.add(peer.peer_id)
@@ -697,8 +784,6 @@ class Trainer:
 
     def _on_remote_error(self, stage: int, pick: Pick, exc: RemoteError, attempts: _Attempts, elapsed: float,
                          mb: Microbatch) -> None:
-        if exc.code == STALE_STEP:
-            raise _Stale(f"stage {stage} peer {pick.peer.addr}: {exc.message}")
         if exc.code in (BUSY, CODE_OVERLOADED):
             self.wiring[stage].busy(pick)
         elif exc.code == CODE_DEADLINE:
@@ -706,12 +791,48 @@ class Trainer:
         elif exc.code == NOT_READY:
             pass  # it waited for its commit until the deadline; another peer may be further along
         elif exc.code == BAD_INPUT:
-            attempts.refused += 1
-            if attempts.refused >= self.config.max_bad_input:
-                raise InputRefused(f"{attempts.refused} peers of stage {stage} refused microbatch {mb.id} "
-                                   f"(step {mb.step}, index {mb.index}): {exc.message}")
+            attempts.refusers[pick.peer.peer_id] = (pick.peer, exc.message)
+            self._blame_input(stage, mb, attempts, exc)
         else:
             self._ban(stage, pick.peer, str(exc))
+
+    def _blame_input(self, stage: int, mb: Microbatch, attempts: _Attempts, exc: RemoteError) -> None:
+        """Raise InputRefused when the refusals of this input as bad_input are evidence against
+        the input rather than against the refusers: `max_bad_input` distinct peers refused it and
+        one of them served this trainer before, or every unbanned peer of the stage refused it.
+        Peer ids are free, so refusals from strangers alone blame nothing: a stage-mate that then
+        accepts the input gets it banned for them (`_call_on`)."""
+        refusers = attempts.refusers.keys()
+        trusted = refusers & self._served[stage]
+        unbanned = {p.peer_id for p in self.wiring[stage].usable(time.time(), benched_too=True)}
+        if (len(refusers) >= self.config.max_bad_input and trusted) or (unbanned and unbanned <= refusers):
+            raise InputRefused(f"{len(refusers)} peers of stage {stage} refused microbatch {mb.id} "
+                               f"(step {mb.step}, index {mb.index}), {len(trusted)} of them after serving this "
+                               f"trainer, {len(unbanned - refusers)} unbanned peers left: {exc.message}")
+
+    async def _stale_confirmed(self, stage: int, step: int, pick: Pick, exc: RemoteError) -> bool:
+        """Whether stage `stage` did commit `step`, as `pick.peer` answered `stale_step`: one peer's
+        word is not the stage's (acting on it zero-covers the stages below and leaves the stage
+        without the microbatch). Confirmed when the stage's agreed step (`progress.agreed_step`)
+        is past it. Otherwise the call goes elsewhere, and the peer is banned when its own
+        stage.info puts it at or before `step` (it contradicts itself); else it is charged like a
+        busy one. (Not banned for claiming to be far ahead of the agreed step: a liar claiming a
+        low step beside one honest peer would make that peer look far ahead, and a ban then would
+        leave the stage to the liar.)"""
+        answers = await self._stage_answers(stage)
+        agreed = progress.agreed_step(progress.voters(answers, self._served[stage]))
+        if agreed is not None and agreed > step:
+            return True
+        own = answers.get(pick.peer.peer_id)
+        claimed = None if own is None else progress.as_int(own.get("step"))
+        if claimed is not None and claimed <= step:
+            self._ban(stage, pick.peer, f"answered stale_step for step {step} ({exc.message}) while its "
+                                        f"stage.info says step {claimed}")
+        else:
+            log.info("stage %d peer %s answered stale_step for step %d, but the stage's peers agree on step %s: "
+                     "not believed, rerouting", stage, pick.peer.addr, step, agreed)
+            self.wiring[stage].busy(pick)
+        return False
 
     async def _pick(self, stage: int, samples: int, kind: Kind, attempts: _Attempts) -> Pick:
         """The wiring's choice among peers this call has not failed on yet; pauses when it failed on
@@ -754,6 +875,7 @@ class Trainer:
         return min(self.config.wait_initial_s * 2 ** min(rounds, 30), self.config.wait_max_s)
 
     def _ban(self, stage: int, peer: StagePeer, reason: str) -> None:
+        self._served[stage].discard(peer.peer_id)
         now = time.time()
         if self.wiring[stage].ban(peer, now, reason):
             log.warning("banned stage %d peer %s: %s", stage, peer.addr, reason)

@@ -196,3 +196,6 @@ def test_trainer_settings_make_the_daemons_trainer_config() -> None:
                     "SWARMD_TRAINER_TAKEOVER_MIN_S": "7"}).trainer.trainer_config()
     assert (got.backward_timeout_s, got.forward_timeout_s) == (200.0, 30.0)
     assert (got.wiring.timeout_floor_s, got.wiring.timeout_factor, got.takeover.min_s) == (2.0, 4.0, 7.0)
+    polls = load([], {"SWARMD_TRAINER_STAGE_INFO_STRAGGLER_S": "0.25", "SWARMD_TRAINER_STAGE_INFO_SKIP_S": "3",
+                      "SWARMD_TRAINER_STAGE_INFO_SKIP_MAX_S": "30"}).trainer.trainer_config()
+    assert (polls.stage_info_straggler_s, polls.stage_info_skip_s, polls.stage_info_skip_max_s) == (0.25, 3.0, 30.0)

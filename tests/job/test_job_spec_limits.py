@@ -28,8 +28,10 @@ def spec_with(field: str, value) -> dict:
     raw = copy.deepcopy(BASE)
     section, _, name = field.rpartition(".")
     table = raw.setdefault(section, {}) if section else raw
-    if field == "data.files":
+    if field in ("data.files", "eval.files"):
         table["files"] = [f"p{i}/*.txt" for i in range(value)]
+        if field == "eval.files":
+            table.update(every_steps=1, samples=1)
         return raw
     if field == "batch.microbatches_per_step":
         raw["batch"] = {"global_samples": value, "microbatch_samples": 1}
@@ -47,6 +49,10 @@ def spec_with(field: str, value) -> dict:
         raw["batch"]["microbatch_samples"] = value // 256  # within its own limit at global's
     if field == "optim.min_lr":
         raw["optim"]["lr"] = value
+    if section == "eval":  # an enabled [eval] whose work stays within MAX_EVAL_SHARE of training's
+        table.setdefault("every_steps", 10**6)
+        table.setdefault("samples", 1)
+        table.setdefault("holdout", 0.1)
     return raw
 
 

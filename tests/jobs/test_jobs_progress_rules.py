@@ -107,6 +107,33 @@ def test_the_submitters_recent_steps_become_step_events_elsewhere(monkeypatch) -
     assert asyncio.run(asyncio.wait_for(follow_two_more(), 10)) == [1, 2, 3, 4, 5]
 
 
+def test_the_submitters_evaluations_reach_a_daemon_that_did_not_submit(monkeypatch) -> None:
+    """A job with [eval]: the held-out losses of the submitter's step events are published with its
+    progress; elsewhere `job.get` shows the last (eval_loss, eval_step) and the step events built
+    from the record carry theirs, so `swarmctl logs` and `plot` show the eval curve there too."""
+    import asyncio
+
+    monkeypatch.setattr(registry_module, "PROGRESS_READ_S", 0.0)
+    store = Store()
+    mine = JobRegistry(store.signer(SUBMITTER), SUBMITTER)
+    theirs = JobRegistry(store, Identity.from_seed(b"reader"))
+    local = mine.jobs[JOB] = Job(JOB, SPEC, SUBMITTER.public_key, local=True)
+    remote = theirs.jobs[JOB] = Job(JOB, SPEC, SUBMITTER.public_key, local=False)
+    for step, loss in ((1, 3.0), (2, 2.9), (3, 2.8), (4, 2.7)):
+        local.step, local.loss = step, loss
+        held_out = {"eval_loss": loss / 2, "eval_step": step} if step % 2 == 0 else {}
+        local.event("step", f"shard 0: step {step - 1} committed", **held_out)
+        if held_out:
+            local.eval_loss, local.eval_step = held_out["eval_loss"], step
+    mine.publish_progress()
+    asyncio.run(theirs.read_progress(remote))
+    assert (remote.eval_loss, remote.eval_step) == (1.35, 4)
+    assert [(e["step"], e.get("eval_loss")) for e in remote.events if e["kind"] == "step"] == \
+        [(1, None), (2, 1.45), (3, None), (4, 1.35)]
+    # An evaluation given up (no loss) publishes nothing new; a job without [eval] publishes no list.
+    assert "evaluated" not in msgpack.unpackb(JobProgress(3, 1.0, 1.0, 1.0, ((3, 1.0),)).to_msgpack())
+
+
 @pytest.mark.parametrize(("fields", "why"), [
     ({"step": 21, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0}, "step"),
     ({"step": -1, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0}, "step"),
@@ -119,6 +146,10 @@ def test_the_submitters_recent_steps_become_step_events_elsewhere(monkeypatch) -
     ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "recent": [[0, 1.0]]}, "recent"),
     ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "recent": [[1, "x"]]}, "recent"),
     ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "recent": [[1, 1.0]] * 40}, "not msgpack"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "evaluated": [[4, 1.0], [2, 1.0]]}, "evaluated steps"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "evaluated": [[21, 1.0]]}, "evaluated is not"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "evaluated": [[2, float("nan")]]}, "evaluated is"),
+    ({"step": 3, "loss": 1.0, "samples_per_s": 1.0, "at": 1.0, "evaluated": {"2": 1.0}}, "evaluated is not"),
 ])
 def test_a_malformed_progress_record_is_refused_with_its_reason(fields, why) -> None:
     with pytest.raises(ValueRefused, match=why):

@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 
 import pytest
-from adversary_kit import JOB, STAGE, spec, start_peer, stranger_pool
+from adversary_kit import JOB, SPEC, STAGE, spec, start_peer, stranger_pool
 
 from swarmd.directory import StaticDirectory
+from swarmd.job.spec import parse_toml
 from swarmd.stage.state import download
 from transport.errors import RemoteError
 from transport.identity import Identity
@@ -30,9 +31,9 @@ WINDOW = 4096
 STATE = Message({"job": JOB, "stage": STAGE}, codec="none")
 
 
-def slow_reader() -> Pool:
-    """A stranger's pool with a fresh identity whose hello announces a 4 KiB window."""
-    return Pool(RpcConfig(identity=Identity.generate(), limits=Limits(max_inflight_bytes=WINDOW),
+def slow_reader(identity: Identity | None = None) -> Pool:
+    """A stranger's pool (a fresh identity by default) whose hello announces a 4 KiB window."""
+    return Pool(RpcConfig(identity=identity or Identity.generate(), limits=Limits(max_inflight_bytes=WINDOW),
                           max_undelivered_bytes=WINDOW))
 
 
@@ -69,15 +70,24 @@ async def test_stalled_state_streams_do_not_keep_a_joiner_out():
 
 async def test_one_caller_holds_one_state_stream():
     """A stranger's second `stage.state` call while its first stream is open is answered busy
-    (max_state_streams_per_peer), and another caller still gets the state meanwhile."""
+    (max_state_streams_per_peer), and another caller still gets the state meanwhile. The second
+    call comes over a second connection of the same identity: on the first, the answer would
+    queue behind the stream's frames that the stranger itself does not read. The stage is big
+XX
+    buffers while the stranger reads nothing, which would free the slot honestly."""
     directory = StaticDirectory()
-    victim = await start_peer(spec(), STAGE, directory)
-    stranger, joiner = slow_reader(), stranger_pool()[0]
+    victim = await start_peer(parse_toml(SPEC.replace("d_model = 32", "d_model = 1024")), STAGE, directory)
+    identity = Identity.generate()
+    # A window that takes one state message (a smaller one has the stream refused at its first big
+    # message, freeing the slot) and nothing read past it: the stream stays open, blocked on the
+    # sockets, well short of the state's ~50 MB.
+    stranger = Pool(RpcConfig(identity=identity, max_undelivered_bytes=8 << 20))
+    again, joiner = slow_reader(identity), stranger_pool()[0]
     try:
         async with stranger.stream(victim.addr, "stage.state", STATE, timeout=3600) as items:
             assert (await items.__anext__()).meta["kind"] == "header"
             with pytest.raises(RemoteError) as refused:
-                async with stranger.stream(victim.addr, "stage.state", STATE, timeout=10) as second:
+                async with again.stream(victim.addr, "stage.state", STATE, timeout=10) as second:
                     await second.__anext__()
             assert refused.value.code == "busy" and "max_state_streams_per_peer" in refused.value.message
             got = await download(joiner, victim.addr, JOB, STAGE, victim.service.stage, 10)
@@ -85,4 +95,5 @@ async def test_one_caller_holds_one_state_stream():
     finally:
         await joiner.close()
         await stranger.close()
+        await again.close()
         await victim.close()

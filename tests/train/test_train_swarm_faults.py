@@ -10,6 +10,7 @@ import torch
 from swarmd.directory import StagePeer
 from swarmd.reference import ReferenceTrainer
 from swarmd.train.events import StatusEvent, StepEvent
+from swarmd.train.errors import InputRefused
 from swarmd.train.trainer import Trainer
 from transport.errors import RpcError
 from transport.rpc import Message, Router, RpcServer
@@ -292,3 +293,33 @@ async def test_one_hung_peer_per_stage_does_not_hold_up_the_commit_watch(tiny_jo
     assert [e.step for e in events] == [0, 1] and {0, 1, 2} <= set(asked)
     G = spec.batch.global_samples
     assert all(e.stage_samples == (G, G, G) for e in events)
+
+
+async def test_an_input_every_peer_of_a_stage_refuses_stops_the_trainer(tiny_job, swarm, pools, kit):
+    """Steps: 2 stages; stage 0 has one real peer, stage 1 only two peers that answer every
+    forward_backward `bad_input` (as a stage would refuse an input that is at fault). Expected: the
+    trainer raises InputRefused, naming the refusals, once both refused one input: refusals from
+    strangers alone blame nothing (tests/security/test_adversary_bad_input_sybils.py), but every
+    unbanned peer of the stage refusing does, and there is nobody left to accept it."""
+    spec, data = tiny_job(optim="sgd", lr=0.1, stages=2)
+    swarm_ = await swarm(spec, peers_per_stage=1)
+
+    async def refuse(req):
+        raise RpcError("bad_input", "targets: token ids outside the vocabulary")
+
+    async def info(req):
+        return Message({"step": 0, "state": "serving", "missing": [], "uncovered": []}, codec="none")
+
+    router = Router()
+    router.unary("stage.forward_backward", refuse)
+    router.unary("stage.info", info)
+    servers = [await RpcServer.serve_tcp(router, "127.0.0.1", 0) for _ in range(2)]
+    try:
+        swarm_.directory.set(kit.JOB_ID, 1, [StagePeer(bytes([0xEE, k]) * 16, f"127.0.0.1:{s.address[1]}", 1)
+                                             for k, s in enumerate(servers)])
+        [trainer] = make_trainers(spec, data, swarm_, pools, kit, shards=1)
+        with pytest.raises(InputRefused, match="2 peers of stage 1 refused microbatch .*0 unbanned peers left"):
+            await asyncio.wait_for(trainer.run(0, 1), 30)
+    finally:
+        for server in servers:
+            await server.close()

@@ -20,6 +20,10 @@ def test_shards_and_config_are_checked(tiny_job):
         Trainer(spec, JOB, StaticDirectory(), Pool(), data, shard=0, shards=5)
     with pytest.raises(ValueError, match="forward_timeout_s"):
         TrainerConfig(forward_timeout_s=0)
+    with pytest.raises(ValueError, match="stage_info_straggler_s"):
+        TrainerConfig(stage_info_straggler_s=0)
+    with pytest.raises(ValueError, match="stage_info_skip_max_s must be >= stage_info_skip_s"):
+        TrainerConfig(stage_info_skip_s=10.0, stage_info_skip_max_s=5.0)
     trainer = Trainer(spec, JOB, StaticDirectory(), Pool(), data, shard=1, shards=3)
     assert trainer.my_microbatches() == [1]
 
