@@ -1,12 +1,16 @@
 """The one place tests/_support joins sys.path: pytest's importlib mode gives a test module no way to
 import a conftest, so the shared daemon harness, spec builder and `wait_for` live there as plain
-modules (`from daemons import Spawner`, `from waiting import wait_for`, `from jobspec import write_job`)."""
+modules (`from daemons import Spawner`, `from waiting import wait_for`, `from jobspec import write_job`).
+
+Rules checked around every test: one that starts swarmd code in a process is marked `slow`; one
+leaves neither tracemalloc tracing nor a thread running (`threads.left_running`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import tracemalloc
 from pathlib import Path
 
@@ -15,6 +19,8 @@ import pytest
 SUPPORT = str(Path(__file__).parent / "_support")
 if SUPPORT not in sys.path:
     sys.path.insert(0, SUPPORT)
+
+from threads import left_running  # noqa: E402 - importable once SUPPORT is on sys.path
 
 
 #: What a test starts when it starts swarmd code: a daemon, swarmctl, a Python helper script (also
@@ -65,3 +71,17 @@ def _tracemalloc_left_off() -> object:
     if tracemalloc.is_tracing() and not tracing_before:
         tracemalloc.stop()
         pytest.fail("the test left tracemalloc tracing; stop what you start")
+
+
+
+@pytest.fixture(autouse=True)
+def _threads_joined() -> object:
+    """A test that leaves a non-daemon thread, or a swarmd worker thread, running (a stage stopped
+    without joining its compute threads, a pool never shut down) fails: such a thread keeps the
+    process from exiting and runs on into later tests. Set up before and torn down after every
+    other function fixture, so what the test's fixtures close is closed by then."""
+    before = set(threading.enumerate())
+    yield
+    left = left_running(before)
+    if left:
+        pytest.fail(f"the test left threads running: {', '.join(sorted(t.name for t in left))}")

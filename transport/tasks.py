@@ -46,6 +46,8 @@ class TaskSet:
             task.cancel(msg)
 
     async def aclose(self, msg: str = "owner closed") -> None:
+        """Cancel every task and wait for them; called from one of the set's own tasks, that task
+        is cancelled too (it belongs to the set) and does not wait for itself."""
         self.cancel_all(msg)
         current = asyncio.current_task()
         pending = [t for t in self._tasks if t is not current]

@@ -28,6 +28,8 @@ from swarmd.job.budget import check_stage_fits, default_stage_memory
 from swarmd.jobs.directory import announcement_value, stage_key
 from swarmd.jobs.moving import JOINING, MOVES_KEPT, MoveRecord, Moving, serving_peers
 from swarmd.jobs.probing import Prober
+from swarmd.model.export import ExportError
+from swarmd.model.precision import PrecisionError
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.limits import StageLimits
@@ -132,7 +134,7 @@ class Serving:
                                supervisor=self.supervisor)
             try:
                 await new.start()
-            except (TransportError, RpcError, StateError, OSError, ValueError) as exc:
+            except (TransportError, RpcError, StateError, OSError, ExportError, PrecisionError) as exc:
                 raise MoveFailed(f"stage {to_stage} did not start: {exc}") from exc
             behind = min(m.step for m in mates)
             if new.committed < behind:

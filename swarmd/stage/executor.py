@@ -60,13 +60,18 @@ class Executor:
 
     def close(self, error: Exception) -> None:
         """Fail whatever is still queued (and, once the workers are cancelled, what they hold)
-        with `error`, and let the pool's threads end after their batch."""
+        with `error`, and let the pool's threads end after their batch (`join` waits for that)."""
         self._closed = error
         while self._queue:
             work = self._queue.popleft()
             if not work.future.done():
                 work.future.set_exception(error)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def join(self) -> None:
+        """After `close`: until every compute thread has ended (a batch under way finishes first;
+        compute cannot be interrupted). The caller bounds the wait (the daemon's drain deadline)."""
+        await join_threads(self._pool)
 
     async def _worker(self) -> None:
         loop = asyncio.get_running_loop()
@@ -128,3 +133,10 @@ def _given_up(work: Work) -> bool:
     if (work.abandoned or past) and not work.future.done():
         work.future.cancel()
     return work.future.done()
+
+
+async def join_threads(pool: ThreadPoolExecutor) -> None:
+    """Shut `pool` down and wait, off the event loop, until its threads have ended. Cancelling the
+    wait leaves the threads to end on their own (the pool is shut down either way)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    await asyncio.to_thread(pool.shutdown, wait=True)

@@ -36,7 +36,7 @@ from swarmd.stage.compute import (BACKWARD, EVALUATE, FORWARD, FORWARD_BACKWARD,
 from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan, StageCore, initial_digest,
                                jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
-from swarmd.stage.executor import Executor, QueueFull
+from swarmd.stage.executor import Executor, QueueFull, join_threads
 from swarmd.stage.limits import Slots, StageLimits
 from swarmd.stage.robust import CENTERED_CLIP
 from swarmd.stage.server import StageServer
@@ -164,14 +164,18 @@ class StageService:
         self.state = "serving"
 
     async def stop(self) -> None:
-        """Stop accepting, fail what is queued, cancel every task and wait for them."""
+        """Stop accepting, fail what is queued, cancel every task and wait for them, then for the
+        compute and auxiliary threads (a batch or a commit under way ends first). The caller bounds
+        the whole (the daemon's drain deadline); cancelled, the threads end on their own."""
         self.state = "stopping"
         self.server.remove(self)
         self.sync.mailbox.fail_all("the peer is stopping")
         if hasattr(self, "executor"):
             self.executor.close(busy("the stage is stopping"))
         await self._tasks.aclose("stage stopping")
-        self._aux.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self, "executor"):
+            await self.executor.join()
+        await join_threads(self._aux)
         self.state = "stopped"
 
     async def drain(self, timeout_s: float) -> bool:

@@ -18,6 +18,7 @@ from swarmd.job.spec import JobSpec
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.jobs.probing import UNANSWERED, Probe
 from swarmd.jobs.serving import Served, Serving
+from swarmd.model.precision import PrecisionError
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage.limits import StageLimits
 
@@ -150,3 +151,21 @@ async def test_a_move_leaves_when_a_peer_that_answered_stays(serving) -> None:
     GatedService.gates[2].set()
     record = await serving.move(JOB, 0, 2, drain_timeout_s=2.0)
     assert record.target == 2 and not record.error and (JOB, 0) not in serving.served
+
+
+@pytest.mark.parametrize("error, expected", [(PrecisionError("compute.dtype fp16"), MoveFailed),
+                                             (ValueError("a bug in the stage's start"), ValueError)])
+async def test_a_new_stage_that_cannot_start_undoes_the_move_and_only_expected_errors_become_move_failed(
+        serving, monkeypatch, error, expected) -> None:
+    """A dtype this device cannot serve (PrecisionError) is a move that failed; any other error out
+    of the new stage's start is a bug and goes up as itself (not dressed as MoveFailed). Either way
+    the old stage serves again and the move is recorded with its error."""
+    async def start(self) -> None:
+        raise error
+
+    monkeypatch.setattr(GatedService, "start", start)
+    old = serving.served[(JOB, 0)].service
+    with pytest.raises(expected):
+        await serving.move(JOB, 0, 2, drain_timeout_s=1.0)
+    assert old.state == "serving" and (JOB, 2) not in serving.served and serving.served[(JOB, 0)].service is old
+    assert len(serving.moves) == 1 and str(error) in serving.moves[0].error

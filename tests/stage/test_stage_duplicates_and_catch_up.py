@@ -183,7 +183,7 @@ async def test_stopping_answers_queued_calls_busy(kit, client):
         await until(lambda: peer.service.executor.depth == 1)
         queued = asyncio.create_task(backward(kit, client, peer, 0, 1))
         await until(lambda: peer.service.executor.depth == 2)
-        await peer.service.stop()
+        stopping = asyncio.create_task(peer.service.stop())
         for task in (first, queued):
             with pytest.raises(RemoteError) as info:
                 await task
@@ -191,8 +191,12 @@ async def test_stopping_answers_queued_calls_busy(kit, client):
         with pytest.raises(RemoteError) as info:
             await backward(kit, client, peer, 0, 2)
         assert info.value.code == "not_serving"
+        await asyncio.to_thread(blocker.__exit__, None, None, None)  # stop waits for the blocked thread
+        blocker = None
+        await asyncio.wait_for(stopping, 10)
     finally:
-        await asyncio.to_thread(blocker.__exit__, None, None, None)
+        if blocker is not None:
+            await asyncio.to_thread(blocker.__exit__, None, None, None)
         await peer.rpc.close()
         await peer.pool.close()
 

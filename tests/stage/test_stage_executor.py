@@ -52,6 +52,8 @@ async def running(compute: Compute, workers: int = 1, **limits):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         executor.close(RuntimeError("closed"))
+        compute.gate.set()
+        await executor.join()
 
 
 async def entered(compute: Compute) -> None:
@@ -157,6 +159,24 @@ async def test_close_fails_queued_work_and_refuses_later_submits():
     with pytest.raises(RuntimeError, match="stopping"):
         executor.submit(work(mb=2))
     assert executor.depth == 0
+
+
+async def test_join_waits_for_the_batch_under_way_then_no_thread_of_the_pool_is_left():
+    compute = Compute()
+    compute.gate.clear()
+    executor = Executor(compute, StageLimits(max_batch=1), 2, "joined")
+    task = asyncio.create_task(executor.run())
+    executor.submit(work(mb=0))
+    await entered(compute)
+    executor.close(RuntimeError("the stage is stopping"))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    joining = asyncio.create_task(executor.join())
+    done, _ = await asyncio.wait([joining], timeout=0.2)
+    assert not done  # a join that did not wait would be done by now; the batch still holds its thread
+    compute.gate.set()
+    await asyncio.wait_for(joining, 5)
+    assert not [t for t in threading.enumerate() if t.name.startswith("joined")]
 
 
 async def test_samples_per_s_is_measured_from_compute():

@@ -1,14 +1,16 @@
 """allreduce.Mailbox on its own: round boxes by id, opened by the first part or by this peer's own
-round, checked against it, capped, expired, and closed for good once dropped."""
+round, checked against it, capped, expired, and closed for good once dropped; a round's failure
+reaches whoever waits on it, and a waiter that is cancelled takes nothing from the others."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import torch
 
-from swarmd.stage.allreduce import Mailbox
-from swarmd.stage.errors import BAD_INPUT, BUSY
+from swarmd.stage.allreduce import Contribution, Mailbox
+from swarmd.stage.errors import BAD_INPUT, BUSY, RoundFailed
 from transport.errors import RpcError
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
@@ -87,3 +89,56 @@ async def test_fail_all_fails_every_open_round_with_the_reason():
     rounds = [box.box(bytes([i]), 1, MEMBERS, A, 6) for i in range(3)]
     box.fail_all("stage stopping")
     assert box.open_rounds == 0 and all(r.failure == "stage stopping" for r in rounds)
+
+
+def contribute(box, src: int) -> None:
+    lo, hi = box.bounds[box.me]
+    box.put_part(src, 0, torch.ones(hi - lo), Contribution(frozenset({src}), 1))
+
+
+async def test_a_waiter_parked_on_a_round_hears_fail_all_as_round_failed():
+    box = mailbox()
+    round_ = box.box(b"r1", 1, [A, B], A, 6, join=True)
+    waiter = asyncio.create_task(round_.wait(round_.reduced_ready))
+    await asyncio.sleep(0)  # parked on the round's event
+    assert not waiter.done()
+    box.fail_all("the peer is stopping")
+    with pytest.raises(RoundFailed, match="the peer is stopping"):
+        await asyncio.wait_for(waiter, 5)
+
+
+async def test_a_cancelled_waiter_leaves_the_round_to_the_others():
+    box = mailbox()
+    round_ = box.box(b"r1", 1, [A, B], A, 6, join=True)
+    gone, stays = (asyncio.create_task(round_.wait(round_.reduced_ready)) for _ in range(2))
+    await asyncio.sleep(0)
+    gone.cancel()
+    contribute(round_, 0)
+    contribute(round_, 1)
+    await asyncio.wait_for(stays, 5)
+    assert gone.cancelled() and round_.failure is None and box.get(b"r1") is round_
+
+
+async def test_a_part_out_of_order_is_bad_input_and_counts_nothing():
+    round_ = mailbox().box(b"r1", 1, [A, B], A, 6, join=True)
+    with pytest.raises(RpcError) as info:
+        round_.put_part(1, 1, torch.ones(2), None)  # offset 1 before offset 0
+    assert info.value.code == BAD_INPUT and round_.received[1] == 0
+
+
+async def test_a_joined_round_expires_after_expire_s():
+    box = mailbox(expire_s=0.0)
+    old = box.box(b"r1", 1, MEMBERS, A, 6, join=True)
+    await asyncio.sleep(0.01)
+    box.box(b"r2", 1, MEMBERS, A, 6, join=True)
+    assert box.get(b"r1") is None and old.failure is not None and box.open_rounds == 1
+
+
+async def test_closing_a_remembered_id_again_makes_it_the_newest():
+    box = mailbox(closed_kept=2)
+    for round_id in (b"r1", b"r2", b"r1", b"r3"):
+        box.drop(round_id)
+    for kept in (b"r1", b"r3"):
+        with pytest.raises(RpcError):
+            box.box(kept, 1, MEMBERS, A, 6)
+    assert box.box(b"r2", 1, MEMBERS, A, 6) is not None  # the oldest, forgotten

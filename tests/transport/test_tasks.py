@@ -1,4 +1,5 @@
-"""TaskSet: tasks forget themselves when done, close cancels and waits, and a failure reaches the owner."""
+"""TaskSet: tasks forget themselves when done, close cancels and waits (from inside too, without
+hanging), and a failure reaches the owner in order, even one raised while being cancelled."""
 
 from __future__ import annotations
 
@@ -66,3 +67,69 @@ async def test_expected_transport_errors_and_cancellation_do_not_reach_the_owner
     await asyncio.wait([failing])
     await tasks.aclose()
     assert waiting.cancelled() and heard == []
+
+
+async def test_closing_from_inside_one_of_its_tasks_cancels_every_task_itself_included_without_hanging():
+    tasks = TaskSet("owner")
+    sibling = tasks.spawn(asyncio.Event().wait(), "sibling")
+    reached = []
+
+    async def closer():
+        await tasks.aclose("closed from inside")
+        reached.append("past aclose")
+
+    inside = tasks.spawn(closer(), "closer")
+    await asyncio.wait([inside, sibling], timeout=5)
+    assert inside.cancelled() and sibling.cancelled() and reached == [] and len(tasks) == 0
+
+
+async def test_a_bug_raised_while_a_task_is_being_cancelled_still_reaches_the_owner():
+    heard = []
+    tasks = TaskSet("owner", on_failure=lambda name, exc: heard.append((name, type(exc))))
+    started = asyncio.Event()
+
+    async def broken_cleanup():
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        finally:
+            raise KeyError("cleanup bug")
+
+    tasks.spawn(broken_cleanup(), "loop")
+    await started.wait()
+    await tasks.aclose()
+    assert heard == [("owner:loop", KeyError)]
+
+
+async def test_failures_reach_the_owner_in_the_order_the_tasks_failed_and_the_awaiter_still_gets_them():
+    heard = []
+    tasks = TaskSet("owner", on_failure=lambda name, exc: heard.append(name))
+    second_may_fail = asyncio.Event()
+
+    async def fail(name: str, after: asyncio.Event | None) -> None:
+        if after is not None:
+            await after.wait()
+        raise RuntimeError(name)
+
+    second = tasks.spawn(fail("second", second_may_fail), "second")
+    first = tasks.spawn(fail("first", None), "first")
+    with pytest.raises(RuntimeError, match="first"):
+        await first
+    second_may_fail.set()
+    with pytest.raises(RuntimeError, match="second"):
+        await second
+    await asyncio.sleep(0)  # the done callbacks run
+    assert heard == ["owner:first", "owner:second"] and len(tasks) == 0
+
+
+async def test_cancel_all_from_a_callback_refuses_later_tasks_and_cancels_the_running_ones():
+    tasks = TaskSet("owner")
+    running = tasks.spawn(asyncio.Event().wait(), "running")
+    asyncio.get_running_loop().call_soon(tasks.cancel_all, "peer sent GOAWAY")
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    coro = asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="closed"):
+        tasks.spawn(coro, "late")
+    await tasks.aclose()
+    assert len(tasks) == 0
