@@ -287,6 +287,11 @@ class StageCore:
     def mate_slow(self) -> bool:
         return bool(self._slow)
 
+    def mate_addr(self, peer: bytes) -> str | None:
+        """Where this peer polled `peer` (its announced address); None for a mate not in view."""
+        view = self._mates.get(peer)
+        return view.addr if view is not None else None
+
     def rate_of(self, peer: bytes) -> float:
         """A mate's last reported send rate (0.0: unknown)."""
         view = self._mates.get(peer)

@@ -80,6 +80,7 @@ class StageSync:
                                2 * limits.progress_timeout_s, limits.closed_rounds_kept)
         self.last_failure: str | None = None
         self.rate = 0.0  # EMA of this peer's all-reduce send rate, bytes/s (shown to mates)
+        self._authenticated = host.pool.config.identity is not None
 
     @property
     def in_round(self) -> bool:
@@ -192,7 +193,9 @@ class StageSync:
             raise
 
     def join(self, req: Request) -> Message:
-        """`stage.sync.round` from a leader."""
+        """`stage.sync.round` from a leader: only the leader itself (members[0], proven by the
+        connection) may invite, and every member's address is the one this peer polled it at (its
+        announcement), never one the invitation names (see `_check_caller` for peers without ids)."""
         meta = req.meta
         round_id, step, digest = meta.get("round"), meta.get("step"), meta.get("digest")
         members, addrs = meta.get("members"), meta.get("addrs")
@@ -203,11 +206,24 @@ class StageSync:
             raise bad_input("stage.sync.round needs round, step, digest, members and addrs")
         if self.core.peer_id not in members or members != sorted(members):
             raise bad_input("this peer is not a member of that round, or the members are not sorted")
+        self._check_caller(req, members[0], "the round's leader")
+        if self._authenticated:
+            addrs = [self.core.address if p == self.core.peer_id else self.core.mate_addr(p) for p in members]
+            if None in addrs:
+                raise busy(f"{addrs.count(None)} of the round's members are no announced mates this peer polled")
         reason = self.core.invited(_now(), members[0], step, digest)
         if reason is not None:
             raise busy(reason)
         self.start(round_id, step, list(zip(members, addrs)))
         return Message({}, codec="none")
+
+    def _check_caller(self, req: Request, member: bytes, what: str) -> None:
+        """Round RPCs act for one member (the leader, a part's sender): the connection must have
+        proven that member's id. A peer whose pool proves no identity (in-process tests only: a
+        daemon always has one) cannot tell its mates apart by id at all; it checks nothing, and
+        takes member addresses from the invitation."""
+        if self._authenticated and req.peer.peer_id != member:
+            raise bad_input(f"the caller has not proven the id of {what}")
 
     async def _round(self, round_id: bytes, step: int, members: list[tuple[bytes, str]]) -> None:
         ids = [p for p, _ in members]
@@ -337,6 +353,7 @@ class StageSync:
                 and all(isinstance(p, bytes) for p in members) and type(src) is int
                 and 0 <= src < len(members) and type(offset) is int and len(req.tensors) == 1):
             raise bad_input("an all-reduce part needs round, step, members, src, offset and one tensor")
+        self._check_caller(req, members[src], f"member {src} of the round")  # before a box is opened for it
         if step != self.core.step:
             raise busy(f"part for step {step}, this peer is at step {self.core.step}")
         box = self.mailbox.box(round_id, step, members, self.core.peer_id, self.host.numel)
@@ -363,11 +380,19 @@ class StageSync:
     def abort(self, req: Request) -> Message:
         """`stage.sync.abort`: a member left the round. One that timed out while its own parts were
         still leaving names itself (`straggler`): it is benched here like a late member (it can
-        only bench itself, and only in rounds it is a member of here)."""
+        only bench itself, and only in rounds it is a member of here). Only a member of the round
+        may abort it (a round this peer has no box for yet is closed for whoever proved an id: its
+        id is random, so only a member knows it)."""
         round_id, straggler = req.meta.get("round"), req.meta.get("straggler")
         if isinstance(round_id, bytes):
+            caller = req.peer.peer_id
+            if self._authenticated and caller is None:
+                raise bad_input("an abort needs a caller with a proven id")
             box = self.mailbox.get(round_id)
-            if isinstance(straggler, bytes) and box is not None and straggler in box.members:
+            if box is not None and self._authenticated and caller not in box.members:
+                raise bad_input("the caller is not a member of that round")
+            if isinstance(straggler, bytes) and box is not None and straggler in box.members \
+                    and (not self._authenticated or straggler == caller):
                 self.core.note_late(_now(), [straggler])
             self.mailbox.drop(round_id, "a member aborted the round")
         return Message({}, codec="none")
