@@ -427,6 +427,12 @@ class StageCore:
             span = min(self.config.bench_max_s, self.config.bench_s * 2 ** (bench.failures - 2))
             bench.until = now + span
 
+    def suspect(self, peer: bytes) -> bool:
+        """Was `peer` late in a round here since it last committed one with us? (Such a member owns
+        no shard in the rounds this peer leads: allreduce.choose_owners.)"""
+        bench = self._bench.get(peer)
+        return bench is not None and bench.failures > 0
+
     def _benched(self, peer: bytes, now: float) -> bool:
         bench = self._bench.get(peer)
         return bench is not None and now < bench.until

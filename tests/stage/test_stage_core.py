@@ -166,13 +166,36 @@ def test_id_sets_travel_as_ranges_and_a_mate_cannot_name_ids_outside_the_step():
             decode_ranges(bad, range(4, 12))
 
 
-def test_the_round_timeout_follows_the_bytes_and_the_slowest_measured_rate():
-    from swarmd.stage.allreduce import round_timeout
+def test_each_phase_deadline_follows_the_bytes_each_member_sends_and_its_rate():
+    from swarmd.stage.allreduce import phase_deadlines
 
     numel = 50_000_000  # 200 MB of fp32 gradient; fp16 halves what moves
-    # 4 members move 2*3/4 of the vector each (150 MB in fp16); at 25 MB/s (200 Mb/s) 6 s, x4 margin.
-    assert round_timeout(numel, 4, "fp16", [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx(24.0)
-    assert round_timeout(numel, 4, "none", [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx(48.0)
-    assert round_timeout(numel, 4, "fp16", [1e12] * 4, 5.0, 600.0, 4.0) == 5.0  # the floor
-    assert round_timeout(numel, 4, "fp16", [1e3] * 4, 5.0, 600.0, 4.0) == 600.0  # the ceiling
-    assert round_timeout(numel, 4, "fp16", [25e6, 0.0, 1e9, 1e9], 5.0, 600.0, 4.0) == 600.0  # unmeasured
+    every = (True,) * 4
+    # 4 owners: each sends 3/4 of the vector in each phase (75 MB in fp16); at 25 MB/s (200 Mb/s)
+    # 3 s, x4 margin, in each phase.
+    assert phase_deadlines(numel, "fp16", every, [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx((12, 12))
+    assert phase_deadlines(numel, "none", every, [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx((24, 24))
+    assert phase_deadlines(numel, "fp16", every, [1e12] * 4, 5.0, 600.0, 4.0) == (5.0, 5.0)  # the floor
+    assert phase_deadlines(numel, "fp16", every, [1e3] * 4, 5.0, 600.0, 4.0) == (600.0, 600.0)  # the cap
+    assert phase_deadlines(numel, "fp16", every, [25e6, 0.0, 1e9, 1e9], 5.0, 600.0, 4.0) == (600.0, 600.0)
+    # The slow member owns no shard: it sends its whole vector once (100 MB: 4 s, x4), and the
+    # all-gather is the three fast owners' alone (the floor), however slow it is.
+    slow_out = (False, True, True, True)
+    assert phase_deadlines(numel, "fp16", slow_out, [25e6, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx((16, 5))
+    assert phase_deadlines(numel, "fp16", slow_out, [1e3, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == pytest.approx((600, 5))
+    # An unmeasured member that sends nothing in a phase does not make that phase wait.
+    assert phase_deadlines(numel, "fp16", slow_out, [0.0, 1e9, 1e9, 1e9], 5.0, 600.0, 4.0) == (600.0, 5.0)
+
+
+def test_members_slow_or_late_lately_own_no_shard_and_the_shards_are_cut_among_the_owners():
+    from swarmd.stage.allreduce import choose_owners, shard_bounds
+
+    assert choose_owners([1e9, 1e8, 0.0], [False] * 3, 0.25) == (True, False, True)  # unmeasured owns
+    assert choose_owners([1e9, 1e9, 1e9], [False, True, False], 0.25) == (True, False, True)
+    assert choose_owners([1e3, 1e9], [False, True], 0.25) == (False, True)  # the only unsuspected owner
+    assert choose_owners([1e3, 1e9], [True, True], 0.25) == (False, True)  # at least one: the fastest
+    assert choose_owners([0.0, 0.0], [True, True], 0.25) == (True, False)
+    assert shard_bounds(10, (True, False, True, True)) == [(0, 4), (4, 4), (4, 7), (7, 10)]
+    assert shard_bounds(10, (True,) * 3) == [(0, 4), (4, 7), (7, 10)]
+
+
