@@ -284,10 +284,12 @@ class StageSync:
             reduced, outliers = await host.in_aux(_reduce_shard, box, limits, plan.kept)
             box.put_gather(me, 0, reduced, outliers, plan.kept)
             async with asyncio.timeout(gather_s):
-                sending = True
-                await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather", lambda j: reduced,
-                                                     {"outliers": outliers, "kept": list(plan.kept)}))
-                sending = False
+                if owners[me]:  # a member that owns no shard has nothing to send: nobody waits for it
+                    sending = True
+                    await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
+                                                         lambda j: reduced,
+                                                         {"outliers": outliers, "kept": list(plan.kept)}))
+                    sending = False
                 await box.wait(box.gathered_ready)
             plans = {box.plans[i] for i in range(len(ids)) if owners[i]}
             if plans != {plan.kept}:
