@@ -123,6 +123,7 @@ class RoundBox:
     plans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # src -> the members its plan kept
     withdrawn: set[int] = field(default_factory=set)  # members that own no shard and left the round
     kept: tuple[int, ...] | None = None  # this member's plan, once made (the all-gather)
+    cleared: bool = False  # a member's plan left this member's sum out (its abort said so)
     failure: str | None = None
     joined: bool = False  # this peer runs the round itself (not only holds parts mates sent early)
     changed: asyncio.Event = field(default_factory=asyncio.Event)

@@ -242,7 +242,7 @@ class StageSync:
         host, limits = self.host, self.host.limits
         taken = await host.in_aux(host.accumulator.take, step)
         box: RoundBox | None = None
-        outcome, late, sending, abort = "failed", [], False, True
+        outcome, late, sending, abort, cleared = "failed", [], False, True, ()
         try:
             box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True, owners=owners)
             flat = await host.in_aux(host.flatten, taken.grads)
@@ -276,6 +276,10 @@ class StageSync:
             if not plan.covered:
                 if me in plan.left_out:
                     outcome = "left out"
+                # The abort names the members the plan left out: one that has not seen every sum
+                # yet (a slow member's part still on its way) clears its own all the same, or the
+                # same conflict would come back every round.
+                cleared = plan.left_out
                 raise RoundFailed(f"the kept sums of {len(prompt)} prompt members cover {_covered(box, plan)} of "
                                   f"{len(self.core.step_ids(step))} microbatches ({len(plan.left_out)} members' "
                                   f"sums overlap)")
@@ -312,9 +316,11 @@ class StageSync:
                 late = [ids[i] for i in box.late_members()]  # stragglers: left out of this peer's next rounds
             log.info("stage %d round %s failed: %s", host.stage_index, round_id.hex()[:8], exc)
             # Timed out while its own parts were still leaving: this peer is the straggler, and says so.
-            if abort:
+            if box is not None and box.cleared and outcome == "failed":
+                outcome = "left out"  # a mate's plan left this member's sum out (its abort said so)
+            if abort:  # only a deadline makes a member leave: a plan that cannot commit fails on every member
                 await self._abort(round_id, [m for m in members if m[0] != self.core.peer_id], timed_out and sending,
-                                  leaving=True)
+                                  leaving=timed_out, cleared=cleared)
         finally:
             self.mailbox.drop(round_id)
             await asyncio.shield(self._settle(round_id, step, ids, late, outcome))
@@ -382,12 +388,13 @@ class StageSync:
         self.rate = rate if self.rate == 0.0 else (1 - RATE_EMA) * self.rate + RATE_EMA * rate
 
     async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]], straggler: bool = False,
-                     leaving: bool = False) -> None:
-        """Tell the others the round is over here: `leaving` when it had started (a member that owns
-        no shard then only leaves it), not for an invitation taken back."""
+                     leaving: bool = False, cleared: tuple[int, ...] = ()) -> None:
+        """Tell the others the round is over here: `leaving` at a deadline (a member that owns no
+        shard then only leaves it); `cleared`: the members this peer's plan left out."""
         # Closed here first: parts members already sent must not open a box for it (allreduce.Mailbox).
         self.mailbox.drop(round_id, "this peer aborted the round")
-        meta = {**self.host.meta(), "round": round_id, "member": self.core.peer_id, "leaving": leaving}
+        meta = {**self.host.meta(), "round": round_id, "member": self.core.peer_id, "leaving": leaving,
+                "left_out": list(cleared)}
         if straggler:
             meta["straggler"] = self.core.peer_id
         message = Message(meta, codec="none")
@@ -454,6 +461,11 @@ class StageSync:
             if box.joined and meta.get("leaving") is True:
                 box.withdraw(box.members.index(member))
                 return Message({}, codec="none")
+            left_out = meta.get("left_out")
+            if isinstance(left_out, list) and box.me in left_out:
+                # Its plan left this member's sum out (an overlap): cleared as if it had seen all
+                # the sums itself (a member could as well have sent an overlapping sum; no more).
+                box.cleared = True
         elif box is not None and self._authenticated:
             raise bad_input("the caller is not a member of that round")
         self.mailbox.drop(round_id, "a member aborted the round")
