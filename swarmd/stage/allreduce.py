@@ -121,7 +121,7 @@ class RoundBox:
     gathered: dict[int, int] = field(init=False)  # shard owner -> elements received
     outliers: set[int] = field(default_factory=set)  # members some shard's reducer reported
     plans: dict[int, tuple[int, ...]] = field(default_factory=dict)  # src -> the members its plan kept
-    withdrawn: set[int] = field(default_factory=set)  # members that own no shard and left the round
+    withdrawn: set[int] = field(default_factory=set)  # members that own no shard and left at their deadline
     kept: tuple[int, ...] | None = None  # this member's plan, once made (the all-gather)
     cleared: bool = False  # a member's plan left this member's sum out (its abort said so)
     failure: str | None = None
@@ -176,15 +176,15 @@ class RoundBox:
         """Every member's part is here, or it withdrew."""
         return len(self.prompt()) + len(self.withdrawn) == len(self.members)
 
-    def withdraw(self, src: int) -> None:
-        """Member `src` left the round (its abort). One that owns no shard, and whose sum this
-        member has not planned to add, only leaves: the others may still commit without it. Any
-        other leaving fails the round here (its shard or its sum is part of the step)."""
+    def withdraw(self, src: int) -> bool:
+        """Member `src` left the round at its deadline. One that owns no shard, and whose sum this
+        member has not planned to add, only leaves (True): the others may still commit without
+        it. False for any other: its shard or its sum is part of the step."""
         if self.owners[src] or (self.kept is not None and src in self.kept):
-            self.fail(f"member {src} of the round aborted it")
-        else:
-            self.withdrawn.add(src)
-            self.changed.set()
+            return False
+        self.withdrawn.add(src)
+        self.changed.set()
+        return True
 
     def gathered_ready(self) -> bool:
         """Every owner's reduced shard and plan are here (members that own none send an empty shard

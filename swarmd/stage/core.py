@@ -163,7 +163,10 @@ class CoreConfig:
     microbatches: int
     missing_grace_s: float = 10.0
     resume_after_s: float = 10.0
-    defer_s: float = 1.0  # how long an invitation from a smaller leader keeps us from leading
+    # How long an invitation from a smaller leader keeps us from leading; also how long a mate of
+    # the round just committed may still show the step before (its commit a moment behind ours)
+    # before a round leaves it out.
+    defer_s: float = 1.0
     bench_s: float = 1.0  # first bench of a failing leader or straggling member; doubles per failure
     bench_max_s: float = 60.0
     # The exact mean (I1): a mate's copy makes a call redundant. False with a robust aggregate,
@@ -202,6 +205,7 @@ class StageCore:
     _defer_until: float = 0.0
     _behind_since: tuple[int, float] | None = None
     _polled_last: bytes = b""  # the round robin's place (`to_poll`)
+    _last_round: tuple[float, frozenset[bytes]] = (float("-inf"), frozenset())  # (when, members) of our last commit
 
     # ------------------------------------------------------------------ compute calls
 
@@ -322,6 +326,9 @@ class StageCore:
         lineage = [m for m in self._lineage(self.step) if not self._benched(m.peer_id, now)]
         if not self._coverage(now, held, lineage):
             return None
+        since, members = self._last_round
+        if now - since < self.config.defer_s and any(m.step < self.step for m in serving if m.peer_id in members):
+            return None  # a mate of the round just committed shows the step before: give its commit a moment
         members = tuple(sorted([(self.peer_id, self.address)] + [(m.peer_id, m.addr) for m in lineage]))
         if members[0][0] != self.peer_id or now < self._defer_until:
             return None
@@ -400,8 +407,10 @@ class StageCore:
         self.digest = next_digest(self.digest, step, round_id)
         if self.round_id == round_id:
             self.round_id = None
+        members = frozenset(members)
         for member in members:
             self._bench.pop(member, None)
+        self._last_round = (now, members)
         self._forget_through(step)
 
     def replaced(self, step: int, digest: bytes) -> None:

@@ -440,11 +440,14 @@ class StageSync:
         return Message({}, codec="none")
 
     def abort(self, req: Request) -> Message:
-        """`stage.sync.abort {round, member}`: a member left the round. One that owns no shard, and
-        whose sum this peer has not planned to add, only leaves (the others may still commit);
-        otherwise the round fails here. One that timed out while its own parts were still leaving
-        names itself (`straggler`): it is benched here like a late member (it can only bench
-        itself, and only in rounds it is a member of here). Only a member of the round may abort it
+        """`stage.sync.abort {round, member, leaving, left_out}`: a member left the round. At its
+        deadline (`leaving`), one that owns no shard and whose sum this peer has not planned to add
+        only leaves (the others may still commit); otherwise the round fails here, and the members
+        whose parts this peer still lacks count as late here too. A member named in `left_out` (the
+        sender's plan left its sum out) clears its sum. One that timed out while its own parts
+        were still leaving names itself (`straggler`): it is benched here like a late member (it
+        can only bench itself, and only in rounds it is a member of here). Only a member of the
+        round may abort it
         (the connection's proven id; a round this peer has no box for yet is closed for whoever
         proved an id: its id is random, so only a member knows it)."""
         meta = req.meta
@@ -458,9 +461,13 @@ class StageSync:
             self._check_caller(req, member, "the member it names")
             if straggler == member:
                 self.core.note_late(_now(), [member])
+            sender = box.members.index(member)
             if box.joined and meta.get("leaving") is True:
-                box.withdraw(box.members.index(member))
-                return Message({}, codec="none")
+                if box.withdraw(sender):  # it owns no shard and no planned sum: it only leaves
+                    return Message({}, codec="none")
+                # It left at its deadline: what is still missing here is late here too (else a
+                # member whose abort comes first leaves the leader benching nobody).
+                self.core.note_late(_now(), [box.members[i] for i in box.late_members() if i != sender])
             left_out = meta.get("left_out")
             if isinstance(left_out, list) and box.me in left_out:
                 # Its plan left this member's sum out (an overlap): cleared as if it had seen all

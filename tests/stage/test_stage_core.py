@@ -199,3 +199,21 @@ def test_members_slow_or_late_lately_own_no_shard_and_the_shards_are_cut_among_t
     assert shard_bounds(10, (True,) * 3) == [(0, 4), (4, 7), (7, 10)]
 
 
+
+
+def test_a_mate_of_the_round_just_committed_gets_defer_s_to_show_the_new_step():
+    """The leader commits step 0 a moment before its mates; its last view of peer 3 still shows
+    step 0. Expected: for defer_s it does not lead step 1 without peer 3 (which would make peer 3
+    download what it is committing itself); after that it does (peer 3 may really have failed)."""
+    c = core(1)
+    c.committed(10.0, 0, b"r" * 16, c.peer_id, [c.peer_id, bytes([2]) * 4, bytes([3]) * 4])
+    step1 = c.digest
+    views = [mate(2, ids={6, 7}, step=1, digest=step1), mate(3, step=0)]
+    c.observe(10.1, views, [], [bytes([2]) * 4, bytes([3]) * 4])
+    assert c.decide(10.1, frozenset({4, 5})) is None
+    c.observe(11.2, views, [], [bytes([2]) * 4, bytes([3]) * 4])
+    lead = c.decide(11.2, frozenset({4, 5}))
+    assert isinstance(lead, Lead) and [p for p, _ in lead.members] == [c.peer_id, bytes([2]) * 4]
+    c.observe(11.3, [mate(2, ids={6, 7}, step=1, digest=step1), mate(3, step=1, digest=step1)], [],
+              [bytes([2]) * 4, bytes([3]) * 4])
+    assert len(c.decide(11.3, frozenset({4, 5})).members) == 3  # its view caught up: it is a member again
