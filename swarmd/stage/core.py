@@ -206,6 +206,7 @@ class StageCore:
     _behind_since: tuple[int, float] | None = None
     _polled_last: bytes = b""  # the round robin's place (`to_poll`)
     _last_round: tuple[float, frozenset[bytes]] = (float("-inf"), frozenset())  # (when, members) of our last commit
+    _active_at: float = 0.0  # when a new microbatch of this step last reached this peer or its lineage
 
     # ------------------------------------------------------------------ compute calls
 
@@ -227,6 +228,8 @@ class StageCore:
             self._repeats[step] = self._repeats.get(step, 0) + 1
             return Admission.HELD_BY_MATE
         claims.add(mb)
+        if step == self.step:
+            self._active_at = now
         return Admission.ACCUMULATE
 
     def settled(self, step: int, mb: int, epoch: int, added: bool) -> None:
@@ -314,9 +317,19 @@ class StageCore:
         if self.phase != Phase.SERVING or self.round_id is not None:
             return None
         serving = [m for m in self._mates.values() if m.state == Phase.SERVING]
-        ahead = sorted((m for m in serving if m.step > self.step), key=lambda m: (-m.step, m.peer_id))
-        if ahead:
+        ahead = [m for m in serving if m.step > self.step]
+        agreeing = any(m.step == self.step and m.digest == self.digest for m in serving)
+        if len(ahead) >= 2 or (ahead and (not agreeing or now - self._active_at >= self.config.resume_after_s)):
+            # Steps two mates claim first (highest first), then lone claims: a peer that makes up
+            # a far step is not the first one downloaded from while others are ahead too.
+            backed = {m.step for m in ahead if sum(o.step == m.step for o in ahead) >= 2}
+            ahead.sort(key=lambda m: (m.step not in backed, -m.step, m.peer_id))
             return Download(tuple((m.peer_id, m.addr) for m in ahead), f"mates are at step {ahead[0].step}")
+        # One mate alone ahead while another shares this peer's step and state: its claim is not
+        # confirmed (a peer may make up any step and state) and is set aside while this step is
+        # worked on here. It is believed with a second mate ahead, with none at this step to
+        # contradict it, or once no new microbatch of this step has reached this peer or its
+        # lineage for `resume_after_s` (the trainers went on: an honest mate did commit alone).
         same = [m for m in serving if m.step == self.step]
         agreed = agreed_digest(self.digest, (m.digest for m in same))
         if agreed != self.digest:
@@ -340,8 +353,10 @@ class StageCore:
         union = set(held)
         for m in lineage:
             union |= m.ids
-        if self.step != self._seen_step:
-            self._seen, self._seen_step = set(), self.step
+        if self.step != self._seen_step:  # a new step here (a commit, a download): quiet from now on
+            self._seen, self._seen_step, self._active_at = set(), self.step, now
+        if not union <= self._seen:
+            self._active_at = now
         self._seen |= union
         shielded: set[int] = set()
         for m in self._lineage(self.step, shielded=True):
@@ -411,6 +426,7 @@ class StageCore:
         for member in members:
             self._bench.pop(member, None)
         self._last_round = (now, members)
+        self._active_at = now
         self._forget_through(step)
 
     def replaced(self, step: int, digest: bytes) -> None:

@@ -46,7 +46,6 @@ def serving_core() -> StageCore:
     return core
 
 
-@pytest.mark.xfail(strict=True, reason=R2)
 def test_a_lone_liar_far_ahead_is_not_downloaded_from_over_an_agreeing_mate():
     """This peer and an honest mate are at step 3 with the same digest; a third mate alone claims
     step 1,000,000 (any digest). No trainer asked for a step past 3. Expected: no Download (its

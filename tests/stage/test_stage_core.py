@@ -217,3 +217,30 @@ def test_a_mate_of_the_round_just_committed_gets_defer_s_to_show_the_new_step():
     c.observe(11.3, [mate(2, ids={6, 7}, step=1, digest=step1), mate(3, step=1, digest=step1)], [],
               [bytes([2]) * 4, bytes([3]) * 4])
     assert len(c.decide(11.3, frozenset({4, 5})).members) == 3  # its view caught up: it is a member again
+
+
+def test_a_lone_mate_ahead_is_believed_only_when_confirmed_or_when_this_step_went_quiet():
+    """Adversary R2's other side: a lone claim ahead contradicted by a mate at this peer's step and
+    state is set aside while microbatches of this step keep coming; it is believed with a second
+    mate ahead, with no mate at this step, or after resume_after_s without a new microbatch (an
+    honest mate committed alone and the trainers went on)."""
+    c = StageCore(b"\x01" * 4, "p1", CoreConfig(4, resume_after_s=10.0))
+    c.replaced(0, D0)
+    c.phase = Phase.SERVING
+    peers = [bytes([i]) * 4 for i in (2, 3, 4)]
+    same, lone = mate(2, ids={1}), mate(3, step=5, digest=b"y" * 16)
+    c.observe(0.0, [same, lone], [], peers)
+    assert c.decide(0.0, frozenset({0})) is None
+    assert c.admit(8.0, 0, 2) == Admission.ACCUMULATE  # work for this step still arrives
+    assert c.decide(12.0, frozenset({0, 2})) is None
+    download = c.decide(22.5, frozenset({0, 2}))  # 10 s since microbatch 2 was first seen (12.0)
+    assert isinstance(download, Download) and download.sources[0][0] == lone.peer_id
+    c = core(1)
+    c.observe(0.0, [same, lone], [], peers)
+    assert c.decide(0.0, frozenset()) is None
+    c.observe(0.1, [lone], [], peers)  # nobody at this step contradicts it
+    assert isinstance(c.decide(0.1, frozenset()), Download)
+    c = core(1)
+    liar, second, third = mate(3, step=1_000, digest=b"z" * 16), mate(4, step=1), mate(2, step=1)
+    c.observe(0.0, [liar, second, third], [], peers)
+    assert [p for p, _ in c.decide(0.0, frozenset()).sources] == [third.peer_id, second.peer_id, liar.peer_id]
