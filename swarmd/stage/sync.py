@@ -447,9 +447,8 @@ class StageSync:
         sender's plan left its sum out) clears its sum. One that timed out while its own parts
         were still leaving names itself (`straggler`): it is benched here like a late member (it
         can only bench itself, and only in rounds it is a member of here). Only a member of the
-        round may abort it
-        (the connection's proven id; a round this peer has no box for yet is closed for whoever
-        proved an id: its id is random, so only a member knows it)."""
+        round may abort it (the connection's proven id; a round this peer has no box for yet is
+        closed for whoever proved an id: its id is random, so only a member knows it)."""
         meta = req.meta
         round_id, member, straggler = meta.get("round"), meta.get("member"), meta.get("straggler")
         if not isinstance(round_id, bytes):
