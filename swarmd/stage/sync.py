@@ -171,6 +171,10 @@ class StageSync:
         ids = [p for p, _ in lead.members]
         owners = choose_owners([self.rate if p == self.core.peer_id else self.core.rate_of(p) for p in ids],
                                [self.core.suspect(p) for p in ids], OWNER_MIN_RATE_FRACTION)
+        if not all(owners):
+            log.info("stage %d step %d: %d of %d round members own no shard (slow send rate or late lately): %s",
+                     self.host.stage_index, lead.step, owners.count(False), len(ids),
+                     [p.hex()[:8] for p, owns in zip(ids, owners) if not owns])
         meta = {**self.host.meta(), "step": lead.step, "round": round_id, "digest": lead.digest,
                 "members": ids, "addrs": [a for _, a in lead.members], "owners": _indices(owners)}
         others = [(p, a) for p, a in lead.members if p != self.core.peer_id]
