@@ -1,11 +1,14 @@
 """A deterministic swarm of one stage around the stage core, for checking I1-I3 on many schedules.
 
 Virtual time on an event heap, an in-memory network (latency, loss, one-way partitions that heal),
-split directory views, compute slower than the trainers' timeout, deaths and rejoins, and trainers
-that time out, retry on another peer and re-send what the stage reports missing or uncovered.
-Every peer runs the real `StageCore` and the real `plan_round`; only the tensors are replaced by
-the ids they hold, and a peer's state by its history: the (step, round, ids summed) of every
-commit that made it. Equal histories are equal parameters.
+split directory views, compute slower than the trainers' timeout, deaths and rejoins, a member
+whose round parts are slow for the whole run, and trainers that time out, retry on another peer
+and re-send what the stage reports missing or uncovered. Every peer runs the real `StageCore`, the
+real `plan_round` and `choose_owners`, and the shell's round rules (sync.py: a phase deadline each
+for the reduce-scatter and the all-gather, late members that own no shard left out, owners' plans
+compared before a commit, a member that leaves at its deadline withdrawn); only the tensors are
+replaced by the ids they hold, and a peer's state by its history: the (step, round, ids summed) of
+every commit that made it. Equal histories are equal parameters.
 
 Checked while it runs: every commit sums each microbatch of its step exactly once (I1); every
 member that commits a round had the same history before it, and equal digests always mean equal
