@@ -163,7 +163,10 @@ class CoreConfig:
     microbatches: int
     missing_grace_s: float = 10.0
     resume_after_s: float = 10.0
-    defer_s: float = 1.0  # how long an invitation from a smaller leader keeps us from leading
+    # How long an invitation from a smaller leader keeps us from leading; also how long a mate of
+    # the round just committed may still show the step before (its commit a moment behind ours)
+    # before a round leaves it out.
+    defer_s: float = 1.0
     bench_s: float = 1.0  # first bench of a failing leader or straggling member; doubles per failure
     bench_max_s: float = 60.0
     # The exact mean (I1): a mate's copy makes a call redundant. False with a robust aggregate,
@@ -202,6 +205,8 @@ class StageCore:
     _defer_until: float = 0.0
     _behind_since: tuple[int, float] | None = None
     _polled_last: bytes = b""  # the round robin's place (`to_poll`)
+    _last_round: tuple[float, frozenset[bytes]] = (float("-inf"), frozenset())  # (when, members) of our last commit
+    _active_at: float = 0.0  # when a new microbatch of this step last reached this peer or its lineage
 
     # ------------------------------------------------------------------ compute calls
 
@@ -223,6 +228,8 @@ class StageCore:
             self._repeats[step] = self._repeats.get(step, 0) + 1
             return Admission.HELD_BY_MATE
         claims.add(mb)
+        if step == self.step:
+            self._active_at = now
         return Admission.ACCUMULATE
 
     def settled(self, step: int, mb: int, epoch: int, added: bool) -> None:
@@ -287,6 +294,11 @@ class StageCore:
     def mate_slow(self) -> bool:
         return bool(self._slow)
 
+    def mate_addr(self, peer: bytes) -> str | None:
+        """Where this peer polled `peer` (its announced address); None for a mate not in view."""
+        view = self._mates.get(peer)
+        return view.addr if view is not None else None
+
     def rate_of(self, peer: bytes) -> float:
         """A mate's last reported send rate (0.0: unknown)."""
         view = self._mates.get(peer)
@@ -305,9 +317,19 @@ class StageCore:
         if self.phase != Phase.SERVING or self.round_id is not None:
             return None
         serving = [m for m in self._mates.values() if m.state == Phase.SERVING]
-        ahead = sorted((m for m in serving if m.step > self.step), key=lambda m: (-m.step, m.peer_id))
-        if ahead:
+        ahead = [m for m in serving if m.step > self.step]
+        agreeing = any(m.step == self.step and m.digest == self.digest for m in serving)
+        if len(ahead) >= 2 or (ahead and (not agreeing or now - self._active_at >= self.config.resume_after_s)):
+            # Steps two mates claim first (highest first), then lone claims: a peer that makes up
+            # a far step is not the first one downloaded from while others are ahead too.
+            backed = {m.step for m in ahead if sum(o.step == m.step for o in ahead) >= 2}
+            ahead.sort(key=lambda m: (m.step not in backed, -m.step, m.peer_id))
             return Download(tuple((m.peer_id, m.addr) for m in ahead), f"mates are at step {ahead[0].step}")
+        # One mate alone ahead while another shares this peer's step and state: its claim is not
+        # confirmed (a peer may make up any step and state) and is set aside while this step is
+        # worked on here. It is believed with a second mate ahead, with none at this step to
+        # contradict it, or once no new microbatch of this step has reached this peer or its
+        # lineage for `resume_after_s` (the trainers went on: an honest mate did commit alone).
         same = [m for m in serving if m.step == self.step]
         agreed = agreed_digest(self.digest, (m.digest for m in same))
         if agreed != self.digest:
@@ -317,6 +339,9 @@ class StageCore:
         lineage = [m for m in self._lineage(self.step) if not self._benched(m.peer_id, now)]
         if not self._coverage(now, held, lineage):
             return None
+        since, members = self._last_round
+        if now - since < self.config.defer_s and any(m.step < self.step for m in serving if m.peer_id in members):
+            return None  # a mate of the round just committed shows the step before: give its commit a moment
         members = tuple(sorted([(self.peer_id, self.address)] + [(m.peer_id, m.addr) for m in lineage]))
         if members[0][0] != self.peer_id or now < self._defer_until:
             return None
@@ -328,8 +353,10 @@ class StageCore:
         union = set(held)
         for m in lineage:
             union |= m.ids
-        if self.step != self._seen_step:
-            self._seen, self._seen_step = set(), self.step
+        if self.step != self._seen_step:  # a new step here (a commit, a download): quiet from now on
+            self._seen, self._seen_step, self._active_at = set(), self.step, now
+        if not union <= self._seen:
+            self._active_at = now
         self._seen |= union
         shielded: set[int] = set()
         for m in self._lineage(self.step, shielded=True):
@@ -395,8 +422,11 @@ class StageCore:
         self.digest = next_digest(self.digest, step, round_id)
         if self.round_id == round_id:
             self.round_id = None
+        members = frozenset(members)
         for member in members:
             self._bench.pop(member, None)
+        self._last_round = (now, members)
+        self._active_at = now
         self._forget_through(step)
 
     def replaced(self, step: int, digest: bytes) -> None:
@@ -421,6 +451,12 @@ class StageCore:
         if bench.failures > 1:
             span = min(self.config.bench_max_s, self.config.bench_s * 2 ** (bench.failures - 2))
             bench.until = now + span
+
+    def suspect(self, peer: bytes) -> bool:
+        """Was `peer` late in a round here since it last committed one with us? (Such a member owns
+        no shard in the rounds this peer leads: allreduce.choose_owners.)"""
+        bench = self._bench.get(peer)
+        return bench is not None and bench.failures > 0
 
     def _benched(self, peer: bytes, now: float) -> bool:
         bench = self._bench.get(peer)

@@ -1,11 +1,14 @@
 """A deterministic swarm of one stage around the stage core, for checking I1-I3 on many schedules.
 
 Virtual time on an event heap, an in-memory network (latency, loss, one-way partitions that heal),
-split directory views, compute slower than the trainers' timeout, deaths and rejoins, and trainers
-that time out, retry on another peer and re-send what the stage reports missing or uncovered.
-Every peer runs the real `StageCore` and the real `plan_round`; only the tensors are replaced by
-the ids they hold, and a peer's state by its history: the (step, round, ids summed) of every
-commit that made it. Equal histories are equal parameters.
+split directory views, compute slower than the trainers' timeout, deaths and rejoins, a member
+whose round parts are slow for the whole run, and trainers that time out, retry on another peer
+and re-send what the stage reports missing or uncovered. Every peer runs the real `StageCore`, the
+real `plan_round` and `choose_owners`, and the shell's round rules (sync.py: a phase deadline each
+for the reduce-scatter and the all-gather, late members that own no shard left out, owners' plans
+compared before a commit, a member that leaves at its deadline withdrawn); only the tensors are
+replaced by the ids they hold, and a peer's state by its history: the (step, round, ids summed) of
+every commit that made it. Equal histories are equal parameters.
 
 Checked while it runs: every commit sums each microbatch of its step exactly once (I1); every
 member that commits a round had the same history before it, and equal digests always mean equal
@@ -16,14 +19,16 @@ seed, so a failing schedule replays exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from swarmd.stage.core import (Admission, CoreConfig, Download, Lead, MateView, Phase, StageCore, initial_digest,
-                               plan_round)
+from swarmd.stage.allreduce import choose_owners
+from swarmd.stage.core import (Admission, CoreConfig, Download, Lead, MateView, Phase, RoundPlan, StageCore,
+                               initial_digest, plan_round)
 
 
 class Violation(AssertionError):
@@ -56,6 +61,10 @@ class Schedule:
     poll_timeout_s: float = 0.5
     round_timeout_s: float = 1.5
     download_s: float = 0.3
+    # (peer, delay): one member whose round parts (the bulk of what it sends) are that late for the
+    # whole run, past the faults too: a mate behind a slow uplink for good, whose small answers
+    # still come in time. The stage must finish all the same, on one state.
+    slow_member: tuple[int, float] | None = None
 
 
 def random_schedule(seed: int) -> Schedule:
@@ -79,10 +88,14 @@ def random_schedule(seed: int) -> Schedule:
     for _ in range(rng.randint(0, 2)):
         at = rng.uniform(0.0, fault_end)
         deaths.append((at, rng.randrange(peers), min(fault_end, at + rng.uniform(0.1, 4.0))))
-    return Schedule(seed, peers, rng.randint(2, 6), rng.randint(3, 6), rng.randint(1, 2),
-                    tuple(rng.uniform(0.01, 0.06) for _ in range(peers)), rng.uniform(0.001, 0.02),
-                    rng.choice((0.0, 0.0, 0.01, 0.05)), timeout, late, cuts, tuple(hidden), tuple(deaths),
-                    rng.choice((0.0, 0.0, 0.1)), rng.choice((1, 1, 2)), fault_end, slow_links, rng.choice((1, 2, 8)))
+    schedule = Schedule(seed, peers, rng.randint(2, 6), rng.randint(3, 6), rng.randint(1, 2),
+                        tuple(rng.uniform(0.01, 0.06) for _ in range(peers)), rng.uniform(0.001, 0.02),
+                        rng.choice((0.0, 0.0, 0.01, 0.05)), timeout, late, cuts, tuple(hidden), tuple(deaths),
+                        rng.choice((0.0, 0.0, 0.1)), rng.choice((1, 1, 2)), fault_end, slow_links,
+                        rng.choice((1, 2, 8)))
+    if peers > 1 and rng.random() < 0.25:  # drawn last: the schedules above stay what they were
+        schedule = dataclasses.replace(schedule, slow_member=(rng.randrange(peers), rng.uniform(0.2, 4.0)))
+    return schedule
 
 
 @dataclass
@@ -91,9 +104,12 @@ class _Round:
     step: int
     members: list[int]  # peer indices, in member (peer id) order
     leader: int
+    owners: set[int]  # the peers (of `members`) that own a shard
     contributions: dict[int, tuple[frozenset[int], int]] = field(default_factory=dict)
-    gathers: set[int] = field(default_factory=set)
-    plan: object = None
+    gathers: dict[int, tuple[int, ...]] = field(default_factory=dict)  # owner -> the peers its plan kept
+    withdrawn: set[int] = field(default_factory=set)  # non-owners that left
+    plan: RoundPlan | None = None  # in peer indices
+    late: list[int] = field(default_factory=list)  # left out for lateness
 
 
 @dataclass
@@ -163,14 +179,17 @@ class StageSimulation:
         return bool(self.s.cuts) and self._faulty() and any(
             a <= self.now < b and s == src and d == dst for a, b, s, d in self.s.cuts)
 
-    def send(self, src: int | None, dst: int, fn: Callable, *args, extra: float = 0.0) -> None:
-        """A message from peer `src` (None: a trainer) to peer `dst`: lost, cut or delivered."""
+    def send(self, src: int | None, dst: int, fn: Callable, *args, extra: float = 0.0, bulk: bool = False) -> None:
+        """A message from peer `src` (None: a trainer) to peer `dst`: lost, cut or delivered;
+        `bulk`: a round part (a gradient's worth of bytes)."""
         if src is not None and self._cut(src, dst):
             return
         if self._faulty() and self.rng.random() < self.s.loss:
             return
         if src is not None:
             extra += self._uplink(src)
+            if bulk and self.s.slow_member is not None and self.s.slow_member[0] == src:
+                extra += self.s.slow_member[1]
         target = self.peers[dst]
         self.at(self.s.latency_s * (1 + self.rng.random()) + extra, self._for(target, fn), *args)
 
@@ -428,21 +447,24 @@ class StageSimulation:
     def _lead(self, peer: _Peer, lead: Lead) -> None:
         round_id = self.rng.getrandbits(128).to_bytes(16, "big")
         members = [self._index(pid) for pid, _ in lead.members]
-        invite = {"answers": {}, "lead": lead, "members": members, "done": False}
+        # Rates are not modelled (every member unmeasured): a member late here lately owns no shard.
+        flags = choose_owners([0.0] * len(members), [peer.core.suspect(pid) for pid, _ in lead.members], 0.25)
+        owners = {j for j, owns in zip(members, flags) if owns}
+        invite = {"answers": {}, "lead": lead, "members": members, "owners": owners, "done": False}
         peer.inviting = True
         for j in members:
             if j != peer.index:
                 self.send(peer.index, j, self._invited, j, peer.index, round_id, lead.step, lead.digest, members,
-                          invite)
+                          owners, invite)
         self.at(self.s.poll_timeout_s, self._for(peer, self._invites_due), peer, round_id, invite)
 
     def _invited(self, j: int, leader: int, round_id: bytes, step: int, digest: bytes, members: list[int],
-                 invite: dict) -> None:
+                 owners: set[int], invite: dict) -> None:
         peer = self.peers[j]
         reason = "closed" if round_id in peer.closed else peer.core.invited(
             self.now, self.peers[leader].core.peer_id, step, digest)
         if reason is None:
-            self._start_round(peer, round_id, step, members, leader)
+            self._start_round(peer, round_id, step, members, leader, owners)
         self.send(j, leader, self._invite_answer, leader, round_id, j, reason is None, invite)
 
     def _invite_answer(self, leader: int, round_id: bytes, j: int, accepted: bool, invite: dict) -> None:
@@ -462,22 +484,23 @@ class StageSimulation:
             peer.core.round_failed(self.now, round_id, peer.core.peer_id, silent)
         if joined and peer.core.invited(self.now, peer.core.peer_id, lead.step, lead.digest) is None \
                 and round_id not in peer.closed:
-            self._start_round(peer, round_id, lead.step, members, peer.index)
+            self._start_round(peer, round_id, lead.step, members, peer.index, invite["owners"])
         else:
             peer.closed.add(round_id)
             for j in others:
-                self.send(peer.index, j, self._aborted, j, round_id)
+                self.send(peer.index, j, self._aborted, j, round_id, peer.index, False, False, ())
 
-    def _start_round(self, peer: _Peer, round_id: bytes, step: int, members: list[int], leader: int) -> None:
+    def _start_round(self, peer: _Peer, round_id: bytes, step: int, members: list[int], leader: int,
+                     owners: set[int]) -> None:
         peer.core.round_started(round_id)
         take = frozenset(peer.sums.pop(step, set()))
         peer.taken[step] = take
-        peer.round = _Round(round_id, step, members, leader)
+        peer.round = _Round(round_id, step, members, leader, owners)
         peer.round.contributions[peer.index] = (take, len(take))
         for j in members:
             if j != peer.index:
-                self.send(peer.index, j, self._part, j, round_id, "reduce", peer.index, (take, len(take)))
-        self.at(self.s.round_timeout_s, self._for(peer, self._round_due), peer, round_id)
+                self.send(peer.index, j, self._part, j, round_id, "reduce", peer.index, (take, len(take)), bulk=True)
+        self.at(self.s.round_timeout_s, self._for(peer, self._round_due), peer, round_id, "reduce")
         for kind, src, payload in peer.early.pop(round_id, (0.0, []))[1]:
             self._apply_part(peer, kind, src, payload)
             if peer.round is None:
@@ -511,37 +534,83 @@ class StageSimulation:
         if kind == "reduce":
             peer.round.contributions[src] = payload
         else:
-            peer.round.gathers.add(src)
+            peer.round.gathers[src] = payload
+
+    def _prompt(self, r: _Round) -> list[int]:
+        return [j for j in r.members if j in r.contributions and j not in r.withdrawn]
 
     def _progress_round(self, peer: _Peer) -> None:
         r = peer.round
-        if r.plan is None and len(r.contributions) == len(r.members):
-            r.plan = plan_round([r.contributions[m] for m in r.members], peer.core.step_ids(r.step))
-            if not r.plan.covered:
-                self._fail(peer, left_out=r.members.index(peer.index) in r.plan.left_out)
+        if r.plan is None and len(self._prompt(r)) + len(r.withdrawn) == len(r.members):
+            self._make_plan(peer)
+            if peer.round is None:
                 return
-            r.gathers.add(peer.index)
+        if r.plan is not None and all(j in r.gathers for j in r.owners):
+            plans = {r.gathers[j] for j in r.owners}
+            if plans == {r.plan.kept}:
+                self._commit(peer)
+            elif len(plans) == 1 and peer.index not in next(iter(plans)):
+                self._fail(peer, broadcast=False)  # left out by every owner alike: it only leaves
+            else:
+                self._fail(peer)
+
+    def _make_plan(self, peer: _Peer) -> None:
+        """The reduce-scatter is over (every part here, or its deadline passed): plan over the
+        prompt members' sums, as sync._round does."""
+        r = peer.round
+        prompt = self._prompt(r)
+        r.late = [j for j in r.members if j not in prompt and j not in r.withdrawn]
+        if any(j in r.owners for j in r.late + sorted(r.withdrawn)):
+            self._fail(peer, late=r.late)
+            return
+        plan = plan_round([r.contributions[j] for j in prompt], peer.core.step_ids(r.step))
+        r.plan = RoundPlan(tuple(prompt[k] for k in plan.kept), tuple(prompt[k] for k in plan.left_out),
+                           plan.covered, plan.samples)
+        if not r.plan.covered:
+            # The abort names the members the plan left out: one that has not seen every sum yet
+            # (a slow member's part still on its way) clears its own all the same.
+            self._fail(peer, left_out=peer.index in r.plan.left_out, late=r.late, cleared=r.plan.left_out)
+            return
+        if peer.index in r.owners:
+            r.gathers[peer.index] = r.plan.kept
             for j in r.members:
                 if j != peer.index:
-                    self.send(peer.index, j, self._part, j, r.round_id, "gather", peer.index, None)
-        if r.plan is not None and len(r.gathers) == len(r.members):
-            self._commit(peer)
+                    self.send(peer.index, j, self._part, j, r.round_id, "gather", peer.index, r.plan.kept, bulk=True)
+        self.at(self.s.round_timeout_s, self._for(peer, self._round_due), peer, r.round_id, "gather")
 
-    def _round_due(self, peer: _Peer, round_id: bytes) -> None:
+    def _round_due(self, peer: _Peer, round_id: bytes, phase: str) -> None:
         r = peer.round
         if r is None or r.round_id != round_id:
             return
-        waiting = r.contributions if r.plan is None else r.gathers
-        self._fail(peer, late=[j for j in r.members if j not in waiting])
+        if phase == "reduce" and r.plan is None:
+            self._make_plan(peer)
+            if peer.round is not None:
+                self._progress_round(peer)
+        elif phase == "gather":
+            self._fail(peer, late=[j for j in r.owners if j not in r.gathers], leaving=True)
 
-    def _aborted(self, j: int, round_id: bytes) -> None:
+    def _aborted(self, j: int, round_id: bytes, src: int, leaving: bool, timed_out: bool,
+                 cleared: tuple[int, ...]) -> None:
         peer = self.peers[j]
+        r = peer.round
+        if r is not None and r.round_id == round_id and leaving and src not in r.owners \
+                and (r.plan is None or src not in r.plan.kept):
+            r.withdrawn.add(src)  # RoundBox.withdraw: a member that owns no shard only leaves
+            self._progress_round(peer)
+            return
         peer.closed.add(round_id)
         peer.early.pop(round_id, None)
-        if peer.round is not None and peer.round.round_id == round_id:
-            self._fail(peer, broadcast=False)
+        if r is not None and r.round_id == round_id:
+            # A member whose deadline passed left: what is still missing here is late here too.
+            late = [m for m in r.members if m not in (src, peer.index)
+                    and (m not in r.contributions if r.plan is None else m in r.owners and m not in r.gathers)]
+            self._fail(peer, left_out=j in cleared, late=late if timed_out else (), broadcast=False)
 
-    def _fail(self, peer: _Peer, left_out: bool = False, late: list[int] = (), broadcast: bool = True) -> None:
+    def _fail(self, peer: _Peer, left_out: bool = False, late: list[int] = (), broadcast: bool = True,
+              leaving: bool = False, cleared: tuple[int, ...] = ()) -> None:
+        """The round ends here without a commit; `leaving`: at a deadline (a member that owns no
+        shard then only leaves: its mates may still commit without it; a plan that cannot commit
+        fails everywhere instead, so every member reaches the same verdict on the same sums)."""
         r, peer.round = peer.round, None
         peer.closed.add(r.round_id)
         taken = peer.taken.pop(r.step, frozenset())
@@ -555,12 +624,12 @@ class StageSimulation:
         if broadcast:
             for j in r.members:
                 if j != peer.index:
-                    self.send(peer.index, j, self._aborted, j, r.round_id)
+                    self.send(peer.index, j, self._aborted, j, r.round_id, peer.index, leaving, bool(late), cleared)
 
     def _commit(self, peer: _Peer) -> None:
         r, peer.round = peer.round, None
         peer.closed.add(r.round_id)
-        kept = [r.contributions[r.members[k]][0] for k in r.plan.kept]
+        kept = [r.contributions[j][0] for j in r.plan.kept]
         union = frozenset().union(*kept)
         if sum(len(ids) for ids in kept) != len(union) or union != peer.core.step_ids(r.step):
             raise Violation(f"seed {self.s.seed}: step {r.step} summed {sorted(i for ids in kept for i in ids)} (I1)")
@@ -571,13 +640,17 @@ class StageSimulation:
         peer.history = peer.history + ((r.step, r.round_id, union),)
         if r.plan.left_out:
             self._count("commit with sums left out")
+        if r.late:
+            self._count("commit without late members")
+        prompt = self._prompt(r)
         if self._faulty():
-            self._count(f"commit by {len(r.members)} of {len(self.peers)} while faults last")
+            self._count(f"commit by {len(prompt)} of {len(self.peers)} while faults last")
         peer.taken.pop(r.step, None)
         for s in [s for s in peer.sums if s <= r.step]:
             del peer.sums[s]
         peer.core.committed(self.now, r.step, r.round_id, self.peers[r.leader].core.peer_id,
-                            [self.peers[j].core.peer_id for j in r.members])
+                            [self.peers[j].core.peer_id for j in prompt])
+        peer.core.note_late(self.now, [self.peers[j].core.peer_id for j in r.late])
         self._note_digest(peer)
         self.commits += 1
 

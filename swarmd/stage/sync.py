@@ -26,7 +26,7 @@ import torch
 
 from swarmd.directory import StageDirectory
 from swarmd.stage.accumulator import Accumulator
-from swarmd.stage.allreduce import WIRE_BYTES, Contribution, Mailbox, RoundBox, round_timeout
+from swarmd.stage.allreduce import WIRE_BYTES, Contribution, Mailbox, RoundBox, choose_owners, phase_deadlines
 from swarmd.stage.core import (DIGEST_BYTES, Download, Lead, MateView, Phase, RoundPlan, StageCore, every_member,
                                plan_round)
 from swarmd.stage.errors import RoundFailed, bad_input, busy
@@ -39,6 +39,10 @@ from transport.rpc import Message, Pool, Request
 
 log = logging.getLogger(__name__)
 
+#: A member whose measured send rate is below this fraction of its round's fastest member's owns no
+#: shard in the rounds this peer leads (allreduce.choose_owners): it sends its vector once and the
+#: all-gather never waits on its uplink.
+OWNER_MIN_RATE_FRACTION = 0.25
 RATE_EMA = 0.3  # weight of the newest part in the send-rate estimate: a few rounds to settle
 MIN_MEASURED_BYTES = 64 * 1024  # smaller parts measure latency, not the link's rate
 
@@ -74,12 +78,14 @@ class StageSync:
         self.host = host
         self.core = host.core
         limits = host.limits
-        # A join lags its round's first part by at most the leader's join call (progress_timeout_s);
+        # A round lasts two phases of at most round_timeout_s each; a join lags its round's first
+        # part by at most the leader's join call (progress_timeout_s);
         # twice that before a box nobody joined here counts as an orphan.
-        self.mailbox = Mailbox(limits.max_open_rounds, limits.round_timeout_s,
+        self.mailbox = Mailbox(limits.max_open_rounds, 2 * limits.round_timeout_s,
                                2 * limits.progress_timeout_s, limits.closed_rounds_kept)
         self.last_failure: str | None = None
         self.rate = 0.0  # EMA of this peer's all-reduce send rate, bytes/s (shown to mates)
+        self._authenticated = host.pool.config.identity is not None
 
     @property
     def in_round(self) -> bool:
@@ -162,8 +168,15 @@ class StageSync:
 
     async def lead(self, lead: Lead) -> None:
         round_id = os.urandom(16)
+        ids = [p for p, _ in lead.members]
+        owners = choose_owners([self.rate if p == self.core.peer_id else self.core.rate_of(p) for p in ids],
+                               [self.core.suspect(p) for p in ids], OWNER_MIN_RATE_FRACTION)
+        if not all(owners):
+            log.info("stage %d step %d: %d of %d round members own no shard (slow send rate or late lately): %s",
+                     self.host.stage_index, lead.step, owners.count(False), len(ids),
+                     [p.hex()[:8] for p, owns in zip(ids, owners) if not owns])
         meta = {**self.host.meta(), "step": lead.step, "round": round_id, "digest": lead.digest,
-                "members": [p for p, _ in lead.members], "addrs": [a for _, a in lead.members]}
+                "members": ids, "addrs": [a for _, a in lead.members], "owners": _indices(owners)}
         others = [(p, a) for p, a in lead.members if p != self.core.peer_id]
         calls = [self.host.pool.call(a, "stage.sync.round", Message(meta, codec="none"),
                                      timeout=self.host.limits.progress_timeout_s) for _, a in others]
@@ -179,20 +192,23 @@ class StageSync:
         if reason is not None:
             await self._abort(round_id, others)
             return
-        self.start(round_id, lead.step, list(lead.members))
+        self.start(round_id, lead.step, list(lead.members), owners)
 
-    def start(self, round_id: bytes, step: int, members: list[tuple[bytes, str]]) -> None:
+    def start(self, round_id: bytes, step: int, members: list[tuple[bytes, str]], owners: tuple[bool, ...]) -> None:
         # Opened (or marked joined) now, so a closed round or a full mailbox refuses the join itself.
-        self.mailbox.box(round_id, step, [p for p, _ in members], self.core.peer_id, self.host.numel, join=True)
+        self.mailbox.box(round_id, step, [p for p, _ in members], self.core.peer_id, self.host.numel, join=True,
+                         owners=owners)
         self.core.round_started(round_id)
         try:
-            self.host.spawn(self._round(round_id, step, members), f"round {round_id.hex()[:8]}")
+            self.host.spawn(self._round(round_id, step, members, owners), f"round {round_id.hex()[:8]}")
         except BaseException:
             self.core.round_failed(_now(), round_id, members[0][0])
             raise
 
     def join(self, req: Request) -> Message:
-        """`stage.sync.round` from a leader."""
+        """`stage.sync.round` from a leader: only the leader itself (members[0], proven by the
+        connection) may invite, and every member's address is the one this peer polled it at (its
+        announcement), never one the invitation names (see `_check_caller` for peers without ids)."""
         meta = req.meta
         round_id, step, digest = meta.get("round"), meta.get("step"), meta.get("digest")
         members, addrs = meta.get("members"), meta.get("addrs")
@@ -203,58 +219,100 @@ class StageSync:
             raise bad_input("stage.sync.round needs round, step, digest, members and addrs")
         if self.core.peer_id not in members or members != sorted(members):
             raise bad_input("this peer is not a member of that round, or the members are not sorted")
+        self._check_caller(req, members[0], "the round's leader")
+        owners = _owner_flags(meta.get("owners"), len(members))
+        if self._authenticated:
+            addrs = [self.core.address if p == self.core.peer_id else self.core.mate_addr(p) for p in members]
+            if None in addrs:
+                raise busy(f"{addrs.count(None)} of the round's members are no announced mates this peer polled")
         reason = self.core.invited(_now(), members[0], step, digest)
         if reason is not None:
             raise busy(reason)
-        self.start(round_id, step, list(zip(members, addrs)))
+        self.start(round_id, step, list(zip(members, addrs)), owners)
         return Message({}, codec="none")
 
-    async def _round(self, round_id: bytes, step: int, members: list[tuple[bytes, str]]) -> None:
+    def _check_caller(self, req: Request, member: bytes, what: str) -> None:
+        """Round RPCs act for one member (the leader, a part's sender): the connection must have
+        proven that member's id. A peer whose pool proves no identity (in-process tests only: a
+        daemon always has one) cannot tell its mates apart by id at all; it checks nothing, and
+        takes member addresses from the invitation."""
+        if self._authenticated and req.peer.peer_id != member:
+            raise bad_input(f"the caller has not proven the id of {what}")
+
+    async def _round(self, round_id: bytes, step: int, members: list[tuple[bytes, str]],
+                     owners: tuple[bool, ...]) -> None:
         ids = [p for p, _ in members]
         me = ids.index(self.core.peer_id)
-        host = self.host
+        host, limits = self.host, self.host.limits
         taken = await host.in_aux(host.accumulator.take, step)
         box: RoundBox | None = None
-        outcome, late, sending = "failed", [], False
+        outcome, late, sending, abort, cleared = "failed", [], False, True, ()
         try:
-            box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True)
+            box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True, owners=owners)
             flat = await host.in_aux(host.flatten, taken.grads)
             mine = Contribution(frozenset(taken.ids), taken.samples)
-            limits = host.limits
-            rates = [self.rate] + [self.core.rate_of(p) for p in ids if p != self.core.peer_id]
-            timeout = round_timeout(host.numel, len(ids), limits.allreduce_codec, rates, limits.round_timeout_floor_s,
-                                    limits.round_timeout_s, limits.round_time_margin)
-            async with asyncio.timeout(timeout):
-                lo, hi = box.bounds[me]
-                box.put_part(me, 0, flat[lo:hi], mine)
-                head = {"ids": encode_ranges(mine.ids), "samples": mine.samples}
-                sending = True
-                await _unless_failed(box, self._send(round_id, step, members, "stage.sync.reduce",
-                                                     lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head))
-                sending = False
-                await box.wait(box.reduced_ready)
-                contributions = [(c.ids, c.samples) for c in (box.contributions[i] for i in range(len(ids)))]
-                if host.limits.aggregate == CENTERED_CLIP:
-                    plan = every_member(contributions, self.core.step_ids(step))
-                else:
-                    plan = plan_round(contributions, self.core.step_ids(step))
-                if not plan.covered:
-                    if me in plan.left_out:
-                        outcome = "left out"
-                    raise RoundFailed(f"the kept sums cover {_covered(box, plan)} of {len(self.core.step_ids(step))} "
-                                      f"microbatches ({len(plan.left_out)} members' sums overlap)")
-                reduced, outliers = await host.in_aux(_reduce_shard, box, host.limits, plan.kept)
-                box.put_gather(me, 0, reduced, outliers)
-                sending = True
-                await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
-                                                     lambda j: reduced, {"outliers": outliers}))
-                sending = False
+            rates = [self.rate if p == self.core.peer_id else self.core.rate_of(p) for p in ids]
+            reduce_s, gather_s = phase_deadlines(host.numel, limits.allreduce_codec, owners, rates,
+                                                 limits.round_timeout_floor_s, limits.round_timeout_s,
+                                                 limits.round_time_margin)
+            # Reduce-scatter: every member's copy of this member's shard, until its deadline.
+            lo, hi = box.bounds[me]
+            box.put_part(me, 0, flat[lo:hi], mine)
+            head = {"ids": encode_ranges(mine.ids), "samples": mine.samples}
+            try:
+                async with asyncio.timeout(reduce_s):
+                    sending = True
+                    await _unless_failed(box, self._send(round_id, step, members, "stage.sync.reduce",
+                                                         lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head))
+                    sending = False
+                    await box.wait(box.reduced_ready)
+            except TimeoutError:
+                if sending:
+                    raise
+                # Late members are left out: the round goes on without them if none owns a shard
+                # and the prompt members' sums cover the step (their own plans then differ from
+                # every owner's, and they do not commit).
+                late = [ids[i] for i in box.late_members()]
+                if any(owners[i] for i in box.late_members()):
+                    raise RoundFailed(f"members {box.late_members()} own shards and were late") from None
+            prompt = box.prompt()
+            plan = self._plan(box, prompt, step)
+            if not plan.covered:
+                if me in plan.left_out:
+                    outcome = "left out"
+                # The abort names the members the plan left out: one that has not seen every sum
+                # yet (a slow member's part still on its way) clears its own all the same, or the
+                # same conflict would come back every round.
+                cleared = plan.left_out
+                raise RoundFailed(f"the kept sums of {len(prompt)} prompt members cover {_covered(box, plan)} of "
+                                  f"{len(self.core.step_ids(step))} microbatches ({len(plan.left_out)} members' "
+                                  f"sums overlap)")
+            box.kept = plan.kept
+            # All-gather: every owner's reduced shard, and its plan, until its deadline.
+            reduced, outliers = await host.in_aux(_reduce_shard, box, limits, plan.kept)
+            box.put_gather(me, 0, reduced, outliers, plan.kept)
+            async with asyncio.timeout(gather_s):
+                if owners[me]:  # a member that owns no shard has nothing to send: nobody waits for it
+                    sending = True
+                    await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
+                                                         lambda j: reduced,
+                                                         {"outliers": outliers, "kept": list(plan.kept)}))
+                    sending = False
                 await box.wait(box.gathered_ready)
+            plans = {box.plans[i] for i in range(len(ids)) if owners[i]}
+            if plans != {plan.kept}:
+                # The owners saw other members as prompt. Left out by all of them alike (late
+                # here), this member only leaves: they commit, and it downloads their state.
+                abort = not (len(plans) == 1 and me not in next(iter(plans)))
+                raise RoundFailed(f"the owners' plans differ from this member's ({sorted(plans)} vs {plan.kept})")
             flagged = tuple(sorted(ids[i].hex() for i in box.outliers))
             if flagged:
                 log.warning("stage %d step %d: outlier gradients from %s", host.stage_index, step, flagged)
-            await host.commit(step, round_id, box.full, ids, plan, flagged)
+            await host.commit(step, round_id, box.full, [ids[i] for i in prompt], plan, flagged)
             outcome = "committed"
+            if late:
+                self.core.note_late(_now(), late)
+                log.info("stage %d step %d committed without %d late members", host.stage_index, step, len(late))
         except (RoundFailed, TransportError, RpcError, TimeoutError) as exc:
             self.last_failure = f"step {step}: {type(exc).__name__}: {exc}"
             timed_out = isinstance(exc, TimeoutError)
@@ -262,10 +320,24 @@ class StageSync:
                 late = [ids[i] for i in box.late_members()]  # stragglers: left out of this peer's next rounds
             log.info("stage %d round %s failed: %s", host.stage_index, round_id.hex()[:8], exc)
             # Timed out while its own parts were still leaving: this peer is the straggler, and says so.
-            await self._abort(round_id, [m for m in members if m[0] != self.core.peer_id], timed_out and sending)
+            if box is not None and box.cleared and outcome == "failed":
+                outcome = "left out"  # a mate's plan left this member's sum out (its abort said so)
+            if abort:  # only a deadline makes a member leave: a plan that cannot commit fails on every member
+                await self._abort(round_id, [m for m in members if m[0] != self.core.peer_id], timed_out and sending,
+                                  leaving=timed_out, cleared=cleared)
         finally:
             self.mailbox.drop(round_id)
             await asyncio.shield(self._settle(round_id, step, ids, late, outcome))
+
+    def _plan(self, box: RoundBox, prompt: list[int], step: int) -> RoundPlan:
+        """The round's plan over the `prompt` members' sums, in member indices."""
+        contributions = [(box.contributions[i].ids, box.contributions[i].samples) for i in prompt]
+        if self.host.limits.aggregate == CENTERED_CLIP:
+            plan = every_member(contributions, self.core.step_ids(step))
+        else:
+            plan = plan_round(contributions, self.core.step_ids(step))
+        return RoundPlan(tuple(prompt[k] for k in plan.kept), tuple(prompt[k] for k in plan.left_out), plan.covered,
+                         plan.samples)
 
     async def _settle(self, round_id: bytes, step: int, ids: list[bytes], late: list[bytes], outcome: str) -> None:
         """Put back (or, left out of a conflicting round, clear) what the round took, and tell the core."""
@@ -285,7 +357,10 @@ class StageSync:
     async def _send(self, round_id: bytes, step: int, members: list[tuple[bytes, str]], method: str,
                     payload, head: dict) -> None:
         me = [p for p, _ in members].index(self.core.peer_id)
-        meta = {**self.host.meta(), "round": round_id, "step": step, "members": [p for p, _ in members], "src": me}
+        box = self.mailbox.get(round_id)
+        owners = box.owners if box is not None else (True,) * len(members)
+        meta = {**self.host.meta(), "round": round_id, "step": step, "members": [p for p, _ in members], "src": me,
+                "owners": _indices(owners)}
         per = max(1, self.host.limits.allreduce_chunk_bytes // 4)
 
         codec = self.host.limits.allreduce_codec
@@ -316,10 +391,14 @@ class StageSync:
         rate = sent / max(seconds, 1e-6)
         self.rate = rate if self.rate == 0.0 else (1 - RATE_EMA) * self.rate + RATE_EMA * rate
 
-    async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]], straggler: bool = False) -> None:
+    async def _abort(self, round_id: bytes, others: list[tuple[bytes, str]], straggler: bool = False,
+                     leaving: bool = False, cleared: tuple[int, ...] = ()) -> None:
+        """Tell the others the round is over here: `leaving` at a deadline (a member that owns no
+        shard then only leaves it); `cleared`: the members this peer's plan left out."""
         # Closed here first: parts members already sent must not open a box for it (allreduce.Mailbox).
         self.mailbox.drop(round_id, "this peer aborted the round")
-        meta = {**self.host.meta(), "round": round_id}
+        meta = {**self.host.meta(), "round": round_id, "member": self.core.peer_id, "leaving": leaving,
+                "left_out": list(cleared)}
         if straggler:
             meta["straggler"] = self.core.peer_id
         message = Message(meta, codec="none")
@@ -337,15 +416,19 @@ class StageSync:
                 and all(isinstance(p, bytes) for p in members) and type(src) is int
                 and 0 <= src < len(members) and type(offset) is int and len(req.tensors) == 1):
             raise bad_input("an all-reduce part needs round, step, members, src, offset and one tensor")
+        self._check_caller(req, members[src], f"member {src} of the round")  # before a box is opened for it
         if step != self.core.step:
             raise busy(f"part for step {step}, this peer is at step {self.core.step}")
-        box = self.mailbox.box(round_id, step, members, self.core.peer_id, self.host.numel)
+        owners = _owner_flags(meta.get("owners"), len(members))
+        box = self.mailbox.box(round_id, step, members, self.core.peer_id, self.host.numel, owners=owners)
         part = req.tensors[0]
         if gather:
-            outliers = meta.get("outliers", []) if offset == 0 else []
+            outliers, kept = (meta.get("outliers", []), meta.get("kept")) if offset == 0 else ([], None)
             if not (isinstance(outliers, list) and all(type(i) is int for i in outliers)):
                 raise bad_input("outliers must be a list of member indices")
-            box.put_gather(src, offset, part, outliers)
+            if offset == 0 and not (isinstance(kept, list) and all(type(i) is int for i in kept)):
+                raise bad_input("the first gathered part carries the plan's kept members")
+            box.put_gather(src, offset, part, outliers, kept)
         else:
             contribution = None
             if offset == 0:
@@ -361,16 +444,56 @@ class StageSync:
         return Message({}, codec="none")
 
     def abort(self, req: Request) -> Message:
-        """`stage.sync.abort`: a member left the round. One that timed out while its own parts were
-        still leaving names itself (`straggler`): it is benched here like a late member (it can
-        only bench itself, and only in rounds it is a member of here)."""
-        round_id, straggler = req.meta.get("round"), req.meta.get("straggler")
-        if isinstance(round_id, bytes):
-            box = self.mailbox.get(round_id)
-            if isinstance(straggler, bytes) and box is not None and straggler in box.members:
-                self.core.note_late(_now(), [straggler])
-            self.mailbox.drop(round_id, "a member aborted the round")
+        """`stage.sync.abort {round, member, leaving, left_out}`: a member left the round. At its
+        deadline (`leaving`), one that owns no shard and whose sum this peer has not planned to add
+        only leaves (the others may still commit); otherwise the round fails here, and the members
+        whose parts this peer still lacks count as late here too. A member named in `left_out` (the
+        sender's plan left its sum out) clears its sum. One that timed out while its own parts
+        were still leaving names itself (`straggler`): it is benched here like a late member (it
+        can only bench itself, and only in rounds it is a member of here). Only a member of the
+        round may abort it (the connection's proven id; a round this peer has no box for yet is
+        closed for whoever proved an id: its id is random, so only a member knows it)."""
+        meta = req.meta
+        round_id, member, straggler = meta.get("round"), meta.get("member"), meta.get("straggler")
+        if not isinstance(round_id, bytes):
+            return Message({}, codec="none")
+        if self._authenticated and req.peer.peer_id is None:
+            raise bad_input("an abort needs a caller with a proven id")
+        box = self.mailbox.get(round_id)
+        if box is not None and isinstance(member, bytes) and member in box.members:
+            self._check_caller(req, member, "the member it names")
+            if straggler == member:
+                self.core.note_late(_now(), [member])
+            sender = box.members.index(member)
+            if box.joined and meta.get("leaving") is True:
+                if box.withdraw(sender):  # it owns no shard and no planned sum: it only leaves
+                    return Message({}, codec="none")
+                # It left at its deadline: what is still missing here is late here too (else a
+                # member whose abort comes first leaves the leader benching nobody).
+                self.core.note_late(_now(), [box.members[i] for i in box.late_members() if i != sender])
+            left_out = meta.get("left_out")
+            if isinstance(left_out, list) and box.me in left_out:
+                # Its plan left this member's sum out (an overlap): cleared as if it had seen all
+                # the sums itself (a member could as well have sent an overlapping sum; no more).
+                box.cleared = True
+        elif box is not None and self._authenticated:
+            raise bad_input("the caller is not a member of that round")
+        self.mailbox.drop(round_id, "a member aborted the round")
         return Message({}, codec="none")
+
+
+def _indices(flags: tuple[bool, ...]) -> list[int]:
+    return [i for i, f in enumerate(flags) if f]
+
+
+def _owner_flags(owners: Any, members: int) -> tuple[bool, ...]:
+    """A round's owners from the wire (member indices; absent: every member owns a shard)."""
+    if owners is None:
+        return (True,) * members
+    if not (isinstance(owners, list) and all(type(i) is int and 0 <= i < members for i in owners)
+            and owners == sorted(set(owners)) and owners):
+        raise bad_input("owners must be a non-empty sorted list of member indices")
+    return tuple(i in owners for i in range(members))
 
 
 def _now() -> float:

@@ -1,9 +1,9 @@
 """Progress lies: a peer that claims a step it never reached, to make honest peers and trainers act
 on it ("catch-up poisoning" and its relatives), and a stranger that takes the waiting slots.
 
-- R2 (race, swarmd/stage/core.py): a lone mate claiming a far higher step is downloaded from at
-  once, even while another mate at this peer's step agrees with it and no trainer ever asked for a
-  later step: the liar's state replaces the honest one (docs/security.md lists this as open).
+- R2 (closed in swarmd/stage/core.py): a lone mate claiming a far higher step was downloaded from
+  at once, even while another mate at this peer's step agreed with it and no trainer ever asked for
+  a later step: the liar's state replaced the honest one.
 - R3 (race, swarmd/train/progress.py + trainer.py, swarmd/stage/service.py `_resume_at`): one
   peer's `stage.info` step is believed over its mates': the trainer counts the stage committed and
   stops re-sending; one answer from another stage is the only evidence a lone stage peer needs to
@@ -36,7 +36,6 @@ from transport.errors import RemoteError, TransportError
 from transport.identity import Identity
 from transport.rpc import Message, Router, RpcConfig, RpcServer
 
-R2 = "adversary R2 in /work/coord/requests.md: a lone mate's higher step must be confirmed before download (race)"
 R3 = "adversary R3 in /work/coord/requests.md: one peer's step claim is not the stage's (race)"
 
 D0 = initial_digest(5, 1)
@@ -49,7 +48,6 @@ def serving_core() -> StageCore:
     return core
 
 
-@pytest.mark.xfail(strict=True, reason=R2)
 def test_a_lone_liar_far_ahead_is_not_downloaded_from_over_an_agreeing_mate():
     """This peer and an honest mate are at step 3 with the same digest; a third mate alone claims
     step 1,000,000 (any digest). No trainer asked for a step past 3. Expected: no Download (its

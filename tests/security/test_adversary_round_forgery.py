@@ -13,8 +13,8 @@ stranger that announced nothing, with a fresh identity, reads a peer's step and 
 - sends round parts under another member's index, opening one of the `max_open_rounds` boxes;
 - names, as a member's address, a socket of the victim's own host (`unix:...`) that it then dials.
 
-Requested of the owners (race: swarmd/stage/sync.py; straggler: allreduce.py), see
-/work/coord/requests.md "adversary R1".
+Closed (adversary R1): every round RPC checks the connection's proven id against the member it
+acts for, and a member's address is the one its announcement gave, never the invitation's.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from adversary_kit import (FAST, JOB, STAGE, backward, committed_within, fake_id
 from swarmd.directory import StagePeer, StaticDirectory
 from transport.errors import RemoteError, TransportError
 from transport.rpc import Message
-
-R1 = "adversary R1 in /work/coord/requests.md: round RPCs must check the caller's proven id (race, straggler)"
 
 
 def invitation(step: int, digest: bytes, members: list[tuple[bytes, str]]) -> Message:
@@ -68,7 +66,6 @@ async def stranger():
         await pool.close()
 
 
-@pytest.mark.xfail(strict=True, reason=R1)
 async def test_an_invitation_whose_caller_is_not_its_leader_is_refused(stage_peers, stranger):
     """Expected: the victim answers a RemoteError (the caller is not members[0]) and runs no round."""
     (victim,), _ = await stage_peers(1)
@@ -79,7 +76,6 @@ async def test_an_invitation_whose_caller_is_not_its_leader_is_refused(stage_pee
         await pool.call(victim.addr, "stage.sync.round", message, timeout=5)
 
 
-@pytest.mark.xfail(strict=True, reason=R1)
 async def test_phantom_rounds_from_a_stranger_do_not_stop_a_stage(stage_peers, stranger):
     """Two honest peers hold step 0's four microbatches between them (a real round commits it in
     well under a second here); a stranger invites both into phantom rounds every 0.3 s.
@@ -110,7 +106,6 @@ async def test_phantom_rounds_from_a_stranger_do_not_stop_a_stage(stage_peers, s
         await trainer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=R1)
 async def test_a_part_sent_under_another_members_index_is_refused(stage_peers, stranger):
     """A stranger sends a reduce part as member 0 of a made-up round (members: a made-up id and the
     victim). Expected: refused (the caller is not members[src]) and no round box opened for it (a
@@ -126,7 +121,6 @@ async def test_a_part_sent_under_another_members_index_is_refused(stage_peers, s
     assert victim.service.sync.mailbox.open_rounds == 0
 
 
-@pytest.mark.xfail(strict=True, reason=R1)
 async def test_round_members_must_be_the_stages_announced_peers(stage_peers):
     """A leader that is an announced peer of the stage (a Sybil may be) names a third member at a
     Unix socket of the victim's host. Expected: refused, since that (id, address) pair is no

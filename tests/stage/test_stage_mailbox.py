@@ -142,3 +142,30 @@ async def test_closing_a_remembered_id_again_makes_it_the_newest():
         with pytest.raises(RpcError):
             box.box(kept, 1, MEMBERS, A, 6)
     assert box.box(b"r2", 1, MEMBERS, A, 6) is not None  # the oldest, forgotten
+
+
+async def test_a_round_with_a_member_that_owns_no_shard_waits_for_neither_its_shard_nor_its_plan():
+    """B owns no shard (an empty one); A's box waits for every member's part of A's shard and for
+    the owners' (A's and C's) shards and plans only; a B that leaves at its deadline only
+    withdraws (its sum not planned in), an owner cannot."""
+    import torch
+
+    from swarmd.stage.allreduce import Contribution
+
+    owners = (True, False, True)
+    box = mailbox().box(b"r1", 0, MEMBERS, A, 10, join=True, owners=owners)
+    assert box.bounds == [(0, 5), (5, 5), (5, 10)]
+    with pytest.raises(RpcError):
+        mailbox().box(b"r1", 0, MEMBERS, A, 10, owners=(False, False, False))
+    box.put_part(0, 0, torch.ones(5), Contribution(frozenset({0}), 2))
+    box.put_part(2, 0, torch.ones(5), Contribution(frozenset({1}), 2))
+    assert not box.reduced_ready() and box.late_members() == [1]
+    assert box.withdraw(1) and box.reduced_ready() and box.prompt() == [0, 2]
+    assert not box.withdraw(2)  # an owner's shard is part of the step
+    box.kept = (0, 2)
+    box.put_gather(0, 0, torch.ones(5), (), (0, 2))
+    assert not box.gathered_ready() and box.late_members() == [2]
+    box.put_gather(2, 0, torch.ones(5), (), (0, 2))
+    assert box.gathered_ready() and box.plans == {0: (0, 2), 2: (0, 2)}
+    with pytest.raises(RpcError):
+        box.put_gather(2, 5, torch.ones(0), (), (3,))  # a plan naming a non-member
