@@ -54,17 +54,15 @@ async def send(kit, client, peer, step, m):
     return await kit.call(client, peer, "stage.backward", STAGE, step, mb, [x, gy])
 
 
-async def wait_step(peers, step, timeout=10.0, recorded_by_all=True):
-    """Until every peer has committed `step` steps and recorded the last of them (or, without
-    `recorded_by_all`, at least one has: the others may have caught up by download); else fail
-    with what each peer says of itself (`stage.info`)."""
+async def wait_step(peers, step, timeout=10.0):
+    """Until every peer has committed `step` steps and recorded the last of them; else fail with
+    what each peer says of itself (`stage.info`)."""
     def recorded(p):
         return p.service.records and p.service.records[-1].step >= step - 1
 
     try:
         async with asyncio.timeout(timeout):
-            while not (all(p.service.committed >= step for p in peers)
-                       and (all if recorded_by_all else any)(recorded(p) for p in peers)):
+            while not all(p.service.committed >= step and recorded(p) for p in peers):
                 await asyncio.sleep(0.01)
     except TimeoutError:
         said = [(await p.service.info(None)).meta for p in peers]
@@ -75,11 +73,9 @@ async def test_peers_of_a_stage_step_together_and_equal_the_reference(kit, clien
     """Steps: 3 peers of the middle stage; step 0's 4 microbatches go to peers 0,1,2,0; step 1's
     only to peers 0 and 1 (peer 2 contributes nothing but must step too). Expected: after each
     step every peer's parameters equal the reference within 1e-5 relative (SGD with momentum),
-    all peers are bit-identical to each other, and the round's records account for 8 samples.
-    Peer 2 usually joins step 1's round with nothing; on a loaded machine its progress answer can
-    miss the leader's poll and the round closes without it, and then it steps by downloading the
-    committed state (I3, always progress): its parameters must still be the others'. A step
-    record's `members` is the peers that recorded it."""
+    all peers are bit-identical to each other, and the step records account for 8 samples. (Under
+    two busy loops, 2 runs in 12 once closed step 1's round without peer 2, which still showed
+    step 0 to the leader's poll; the leader now waits `defer_s` for such a mate: 25 of 25.)"""
     spec = kit.make_spec(stages=3, optim="sgd")
     directory = StaticDirectory()
     peers = [await kit.start_peer(spec, STAGE, i + 1, directory) for i in range(3)]
@@ -89,7 +85,7 @@ async def test_peers_of_a_stage_step_together_and_equal_the_reference(kit, clien
             began = asyncio.get_running_loop().time()
             await asyncio.gather(*(send(kit, client, peers[o], step, m) for m, o in enumerate(owners)))
             sent = asyncio.get_running_loop().time()
-            await wait_step(peers, step + 1, recorded_by_all=False)
+            await wait_step(peers, step + 1)
             print(f"step {step}: backwards {sent - began:.3f} s, then commit {asyncio.get_running_loop().time() - sent:.3f} s")
             ref.step(step)
             diffs = [max_rel_diff(p.service.stage, ref.module) for p in peers]
@@ -98,11 +94,9 @@ async def test_peers_of_a_stage_step_together_and_equal_the_reference(kit, clien
             for p in peers[1:]:
                 for a, b in zip(p.service.stage.parameters(), peers[0].service.stage.parameters()):
                     assert torch.equal(a, b)
-            members = [p for p in peers if p.service.records[-1].step == step]
-            assert step == 1 or len(members) == 3  # step 0: every peer holds work, so every peer is in
-            for p in members:
+            for p in peers:
                 record = p.service.records[-1]
-                assert record.members == len(members) and record.samples == 8
+                assert record.step == step and record.members == 3 and record.samples == 8
                 assert record.summed_duplicates == 0 and record.dropped_repeats == 0
     finally:
         for p in peers:
