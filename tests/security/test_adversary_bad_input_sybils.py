@@ -6,7 +6,7 @@ for good. Peer ids are free, so a stranger announcing a few identities in the la
 answering every `forward_backward` `bad_input`, kills the trainers of the job however many honest
 peers serve that stage (five here beside one honest peer; each trainer call meets three of them
 first about half the time). Requested of race (swarmd/train/trainer.py), "adversary R9" in
-/work/coord/requests.md.
+docs/security.md ("Adversary findings").
 
 Closed: the input is blamed only when `max_bad_input` peers refused it and one of them had served
 this trainer, or when every unbanned peer of the stage refused it; a refuser of an input a

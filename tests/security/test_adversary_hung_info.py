@@ -6,7 +6,7 @@ them, each for `stage_info_timeout_s`; a peer that times out is neither banned n
 be merely overloaded), so it is asked again at the next poll and every poll lasts the whole
 timeout. One such peer per stage, which also answers every compute call `busy` so the trainer's
 routing never benches it, adds a timeout or two to every step. Requested of race
-(swarmd/train/trainer.py), "adversary R5" in /work/coord/requests.md.
+(swarmd/train/trainer.py), "adversary R5" in docs/security.md ("Adversary findings").
 
 Closed: once one peer of a stage answered, the others get `stage_info_straggler_s` more, and a
 peer that did not answer in time is not asked for `stage_info_skip_s` (doubling per further miss).

@@ -4,7 +4,7 @@ on it ("catch-up poisoning" and its relatives), and a stranger that takes the wa
 - R2 (closed in swarmd/stage/core.py): a lone mate claiming a far higher step was downloaded from
   at once, even while another mate at this peer's step agreed with it and no trainer ever asked for
   a later step: the liar's state replaced the honest one.
-- R3 (race, swarmd/train/progress.py + trainer.py, swarmd/stage/service.py `_resume_at`): one
+- R3 (trainer side closed; stage side open, swarmd/stage/service.py `_resume_at`): one
   peer's `stage.info` step is believed over its mates': the trainer counts the stage committed and
   stops re-sending; one answer from another stage is the only evidence a lone stage peer needs to
   jump ahead, losing every step between (a stranger sends the call for the far step itself).
@@ -36,7 +36,8 @@ from transport.errors import RemoteError, TransportError
 from transport.identity import Identity
 from transport.rpc import Message, Router, RpcConfig, RpcServer
 
-R3 = "adversary R3 in /work/coord/requests.md: one peer's step claim is not the stage's (race)"
+R3 = ("adversary R3, stage side, open (docs/security.md, Adversary findings): one answering peer of another "
+      "stage is all the evidence a lone stage peer needs to skip ahead")
 
 D0 = initial_digest(5, 1)
 

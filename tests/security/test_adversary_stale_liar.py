@@ -7,7 +7,7 @@ the last stage that answers `stale_step` to every `forward_backward` makes each 
 it add a zero gradient at stage 0 (its samples counted: a silently wrong step), and the last stage
 never receives it: it is this trainer's own share, which is re-sent only to stages it was sent to
 and never taken over, so the step never commits. Requested of race (swarmd/train/trainer.py),
-"adversary R8" in /work/coord/requests.md.
+"adversary R8" in docs/security.md ("Adversary findings").
 
 Closed: `stale_step` is believed only once the stage's agreed step (the lower median of its peers'
 `stage.info` claims) is past the call's step; a peer whose own `stage.info` contradicts its

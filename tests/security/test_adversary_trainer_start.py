@@ -6,7 +6,7 @@ stranger announced in every stage, answering step 7 of a job of 8 steps, made th
 step 7; its calls for step 7 then made each honest stage, alone and with "evidence" from the liar
 in the other stage, skip steps 0..6 (`StageService._resume_at`): the job trained one step of 8
 and ended. Requested of race (swarmd/train/trainer.py `_swarm_step`, and R3b), "adversary R3" in
-/work/coord/requests.md.
+docs/security.md ("Adversary findings").
 
 Closed: a stage's step is now the lower median of its answering (serving) peers' claims
 (`progress.agreed_step`), so the liar beside one honest peer moves it nowhere.

@@ -1,4 +1,4 @@
-"""The stage holes found by review (/work/coord/repro at ae25aed), each as the behaviour it must
+"""The stage holes found by review (../shared/repro at ae25aed), each as the behaviour it must
 have now: real stage peers on loopback, the trainer played by the test. Each of these failed on
 the old code."""
 
