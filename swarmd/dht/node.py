@@ -294,13 +294,13 @@ class DHTNode:
             merge(local)
 
         async def query(peer_id: bytes, address: str) -> list[tuple[bytes, str]]:
-            reply = await self._call(peer_id, address, P.FIND_VALUE, P.find_value_request(key, cfg.k))
+            reply = await self._call(peer_id, address, P.FIND_VALUE, P.find_value_request(key, cfg.get_width))
             records, contacts = P.parse_find_value_reply(key, reply.meta, cfg)
             if records:
                 merge(records)
             return contacts
 
-        await self._lookup("find_value", key_id(key), cfg.k, query, enough)
+        await self._lookup("find_value", key_id(key), cfg.get_width, query, enough)
         wall = self.clock.time()
         result = {s: r for s, r in merged.items() if not r.is_tombstone and r.expiration > wall}
         if merged:

@@ -96,8 +96,29 @@ def test_a_miss_settles_after_the_closest_answered_empty():
     run(main)
 
 
-def test_get_miss_settle_is_checked():
+def test_a_get_asks_each_node_for_get_width_contacts():
+    """A get's replies carry at most get_width (8) contacts in a swarm of 40, not k = 20: a reply's
+    size no longer grows with the swarm; the record is still found."""
+
+    async def main(clock):
+        swarm = await build_swarm(40, clock, seed=14)
+        writer, reader = swarm.nodes[3], swarm.nodes[21]
+        key = dht_key("job", "width")
+        assert await writer.store(key, writer.peer_id, b"v", clock.time() + 600) >= 15
+        calls = spy(reader)
+        assert writer.peer_id in await reader.get(key, latest=True)
+        finds = [(meta, reply) for method, meta, reply in calls if method == P.FIND_VALUE]
+        assert finds and all(meta.get("n") == 8 for meta, _ in finds)
+        assert max(len(reply["contacts"]) for _, reply in finds) <= 8
+        await swarm.stop()
+
+    run(main)
+
+
+def test_get_bounds_are_checked():
     with pytest.raises(ValueError):
         DHTConfig(get_miss_settle=0)
     with pytest.raises(ValueError):
-        DHTConfig(k=4, get_miss_settle=5)
+        DHTConfig(get_miss_settle=9, get_width=8)
+    with pytest.raises(ValueError):
+        DHTConfig(k=6, get_width=8)
