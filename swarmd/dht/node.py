@@ -283,24 +283,26 @@ class DHTNode:
             replicas += 1
             confirmations = 0 if changed else confirmations + 1
 
+        width = min(cfg.get_width, cfg.k)
+
         def enough(lookup: Lookup) -> bool:
             if replicas >= cfg.get_quorum and confirmations >= cfg.get_confirmations:
                 return True
             # A miss settles: nothing found, and the closest nodes (where the records would be) said so.
-            return not merged and lookup.closest_answered(cfg.get_miss_settle)
+            return not merged and lookup.closest_answered(min(cfg.get_miss_settle, width))
 
         local = self.storage.get(key, self.clock.time())
         if local:
             merge(local)
 
         async def query(peer_id: bytes, address: str) -> list[tuple[bytes, str]]:
-            reply = await self._call(peer_id, address, P.FIND_VALUE, P.find_value_request(key, cfg.get_width))
+            reply = await self._call(peer_id, address, P.FIND_VALUE, P.find_value_request(key, width))
             records, contacts = P.parse_find_value_reply(key, reply.meta, cfg)
             if records:
                 merge(records)
             return contacts
 
-        await self._lookup("find_value", key_id(key), cfg.get_width, query, enough)
+        await self._lookup("find_value", key_id(key), width, query, enough)
         wall = self.clock.time()
         result = {s: r for s, r in merged.items() if not r.is_tombstone and r.expiration > wall}
         if merged:
