@@ -7,8 +7,9 @@ contacts each `ping_interval_s` and calls a peer alive while its last answer is 
 first (never tried before all others), so every contact is pinged once per ceil(contacts /
 ping_sample) intervals and a daemon's ping traffic stays the same however large the swarm (pinging
 every contact made each daemon's control traffic grow with the swarm). Keep `liveness_window_s`
-above `ping_interval_s` x ceil(contacts / ping_sample), or a live peer may show dead between pings. The answer's peer id comes from the connection's handshake, so a host that
-took over a dead peer's address does not keep that peer "alive".
+above `ping_interval_s` x ceil(contacts / ping_sample), or a live peer may show dead between pings.
+The answer's peer id comes from the connection's handshake, so a host that took over a dead peer's
+address does not keep that peer "alive".
 """
 
 from __future__ import annotations

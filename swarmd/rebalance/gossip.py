@@ -6,8 +6,8 @@ random members of the job and, in one `gossip.exchange` call each, pushes its ow
 sample of at most `max_exchange_entries` others from its view, and merges what comes back (the
 partner answers the same way). Sending the whole view made every exchange, and so each peer's
 gossip bytes, grow with the job; a fixed sample still spreads every entry in a few rounds, each
-peer's own entry going out first-hand to `fanout` partners every round. Newest-per-peer and signatures make the exchange idempotent and safe to relay,
-so a lost call costs nothing but freshness.
+peer's own entry going out first-hand to `fanout` partners every round. Newest-per-peer and
+signatures make the exchange idempotent and safe to relay, so a lost call costs nothing but freshness.
 
 Membership comes from the `StageDirectory` (the DHT in the daemon): entries of peers it does not list
 are refused, and only listed peers are dialled. Entries are signed by the peer they describe, so the
