@@ -52,8 +52,8 @@ class DHTConfig:
     #: on a slightly different set) makes the get keep asking instead of returning short.
     get_quorum: int = 3
     get_confirmations: int = 2
-    #: A get that has found no record at all ends once this many of the closest contacts that did
-    #: not fail have answered empty: a key's records live on its k closest nodes, so when the 5
+    #: A get that has found no record at all ends once this many of the closest contacts have
+    #: answered empty, none of them failed (else it walks on to get_width): a key's records live on its k closest nodes, so when the 5
     #: closest hold nothing the key is (almost surely) absent, and walking on to all k would make
     #: every miss (a job index nobody wrote yet, a stage nobody serves) cost k queries, a number
     #: that grows with the swarm up to k. A get that found records still walks to its quorum.

@@ -115,6 +115,28 @@ def test_a_get_asks_each_node_for_get_width_contacts():
     run(main)
 
 
+def test_a_miss_does_not_settle_past_a_dead_node_among_the_closest():
+    """The closest candidate failed: the nodes only it would have named are unknown, so five answers
+    behind it do not settle the miss (with 30% of 1000 nodes killed, one get in 50 returned nothing
+    while the record's 8 closest live holders went unasked); with every one of them answered it does."""
+    from swarmd.dht.lookup import ANSWERED, FAILED, Lookup
+
+    async def never(peer_id, address):
+        raise AssertionError("not asked")
+
+    target = b"\x00" * 32
+    lookup = Lookup(target, b"\xff" * 32, 8, 3, 0.5, never, lambda p: False, lambda p: None)
+    ids = [bytes([0] * 31 + [i]) for i in range(1, 7)]  # ids[0] is the closest to the target
+    for pid in ids:
+        lookup.add(pid, "10.0.0.1:1", 1)
+    for pid in ids[1:]:
+        lookup._cands[pid].state = ANSWERED
+    lookup._cands[ids[0]].state = FAILED
+    assert not lookup.closest_answered(5)
+    lookup._cands[ids[0]].state = ANSWERED
+    assert lookup.closest_answered(5)
+
+
 def test_get_bounds_are_checked():
     with pytest.raises(ValueError):
         DHTConfig(get_miss_settle=0)
