@@ -16,9 +16,12 @@ joining (`jobs.serve = "all"`) and rebalancing on, liveness and discovery at the
    (every stage summed exactly the global batch, no duplicates), and each daemon's RSS.
 
 `control_growth` is the median per-daemon idle control bytes/s at the largest N over that at the
-smallest. Stage sync and commit polls travel with the data plane while a job runs and the
-transport counts bytes, not methods, so they are not in the idle figure; the training window's
-per-daemon total bytes/s is reported beside it.
+smallest. Both windows also put bytes on methods: each daemon's `swarmd_rpc_served_bytes_total`
+(requests it served and its replies, by method) gives `control_by_method`, the mean per-daemon
+bytes/s of each method (DHT, liveness pings, gossip, and while training stage.info, stage sync and
+commit polls); a call is served by one daemon, so the swarm's sum of served bytes is its traffic
+once. `training_control_bytes_per_s` is the median per daemon of the served bytes of every method
+but the data plane's (DATA_METHODS: activations, gradients, state downloads, gradient averaging).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,11 @@ JOB = {
     "checkpoint": {"every_steps": 0},
 }
 ENV = {**FAST_ENV, "SWARMD_JOBS_SERVE": "all"}
+#: Methods that move tensors a step needs (activations, gradients, a stage's state, averaged
+#: gradients): the data plane. Every other peer method is control traffic.
+DATA_METHODS = frozenset({"stage.forward", "stage.backward", "stage.forward_backward", "stage.state",
+                          "stage.sync.reduce", "stage.sync.gather"})
+SERVED = "swarmd_rpc_served_bytes_total"
 #: The warm-up steps not committed within this (daemons joining stages on their own, on a busy
 #: machine) mean the swarm is stuck.
 WARMUP_TIMEOUT_S = 600.0
@@ -82,6 +91,51 @@ def traffic(daemons: list[PeerProcess]) -> dict[str, float]:
             continue
         out[d.name] = c["swarmd_transport_sent_bytes_total"] + c["swarmd_transport_received_bytes_total"]
     return out
+
+
+def served(daemons: list[PeerProcess]) -> dict[str, dict[str, float]]:
+    """Each live daemon's served bytes of its peer methods (in + out), by method."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    for d in daemons:
+        if d.metrics_port is None:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{d.host}:{d.metrics_port}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+        except OSError:
+            continue
+        methods: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == SERVED and sample.labels.get("service") == "peer":
+                    method = sample.labels["method"]
+                    methods[method] = methods.get(method, 0.0) + sample.value
+        out[d.name] = methods
+    return out
+
+
+def by_method(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], seconds: float) -> dict:
+    """Mean per-daemon served bytes/s of each method, over daemons counted at both ends that did not
+    restart between (no counter went back)."""
+    kept = [n for n in before if n in after and all(after[n].get(m, 0.0) >= v for m, v in before[n].items())]
+    if not kept:
+        return {}
+    methods = sorted({m for n in kept for m in after[n]})
+    rates = {m: sum(after[n].get(m, 0.0) - before[n].get(m, 0.0) for n in kept) / len(kept) / seconds
+             for m in methods}
+    return {m: round(r, 1) for m, r in sorted(rates.items(), key=lambda kv: -kv[1]) if r > 0}
+
+
+def control_rates(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], seconds: float) -> list:
+    """Per daemon: served bytes/s of every method outside the data plane."""
+    rates = []
+    for n in before:
+        if n not in after or any(after[n].get(m, 0.0) < v for m, v in before[n].items()):
+            continue
+        rates.append(sum(v - before[n].get(m, 0.0) for m, v in after[n].items() if m not in DATA_METHODS) / seconds)
+    return rates
 
 
 def per_daemon_rate(before: dict[str, float], after: dict[str, float], seconds: float) -> list[float]:
@@ -123,7 +177,7 @@ async def train_with_churn(swarm: LocalSwarm, daemons: list[PeerProcess], args: 
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{len(events)} step events in {WARMUP_TIMEOUT_S:g} s")
                 await asyncio.sleep(0.5)
-            start, before = time.time(), traffic(daemons)
+            start, before, served_before = time.time(), traffic(daemons), served(daemons)
             rss = [r for r in (rss_mb(d.pid) for d in daemons if d.alive) if r is not None]
             end = time.monotonic() + args.churn
             kills = 0
@@ -136,7 +190,7 @@ async def train_with_churn(swarm: LocalSwarm, daemons: list[PeerProcess], args: 
                 swarm.restart(victim, wait=False)
                 kills += 1
             seconds = time.time() - start
-            after = traffic(daemons)
+            after, served_after = traffic(daemons), served(daemons)
         finally:
             follower.cancel()
     async with Client(trainer.socket) as client:
@@ -148,7 +202,10 @@ async def train_with_churn(swarm: LocalSwarm, daemons: list[PeerProcess], args: 
             "exact": all(exact(e) for e in events), "step_events": len(events), "kills": kills,
             "inexact_steps": inexact(events),
             "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
-            "training_bytes_per_s_median": round(statistics.median(per_daemon_rate(before, after, seconds)), 1)}
+            "training_bytes_per_s_median": round(statistics.median(per_daemon_rate(before, after, seconds)), 1),
+            "training_control_bytes_per_s": round(statistics.median(control_rates(served_before, served_after,
+                                                                                 seconds) or [0.0]), 1),
+            "training_control_by_method": by_method(served_before, served_after, seconds)}
 
 
 def one_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -158,12 +215,14 @@ def one_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         daemons = swarm.start(n)
         startup = time.monotonic() - started
         time.sleep(args.settle)
-        before, t0 = traffic(daemons), time.time()
+        before, served_before, t0 = traffic(daemons), served(daemons), time.time()
         time.sleep(args.idle)
-        idle = per_daemon_rate(before, traffic(daemons), time.time() - t0)
+        after, served_after, seconds = traffic(daemons), served(daemons), time.time() - t0
+        idle = per_daemon_rate(before, after, seconds)
         row = {"daemons": n, "startup_s": round(startup, 1),
                "control_bytes_per_s": round(statistics.median(idle), 1),
-               "control_bytes_per_s_max": round(max(idle), 1)}
+               "control_bytes_per_s_max": round(max(idle), 1),
+               "control_by_method": by_method(served_before, served_after, seconds)}
         if args.churn > 0:
             try:
                 row.update(asyncio.run(train_with_churn(swarm, daemons, args)))

@@ -348,10 +348,21 @@ class PeersSection:
         "on a slow link does not flap it",
     )
     ping_timeout_s: float = setting(3.0, _float_kind(0.05), "a ping slower than this counts as lost")
+    ping_sample: int = setting(
+        8, _int_kind(1),
+        "contacts pinged per interval, those pinged longest ago first: a daemon's ping traffic then stays "
+        "the same however large the swarm; each contact is pinged every ceil(contacts / ping_sample) intervals, "
+        "which liveness_window_s should cover",
+    )
     discovery_interval_s: float = setting(
         30.0, _float_kind(0.1),
         "a lookup of our own id this often: Kademlia learns of peers only through traffic, so a quiet "
         "swarm would otherwise not hear of a newcomer until a bucket refresh (minutes)",
+    )
+    discovery_nearest: int = setting(
+        3, _int_kind(1),
+        "how many nearest peers that lookup looks for: it only has to meet our neighbours (who then know "
+        "of us) and hear of theirs; a full k = 20 lookup costs each daemon traffic that grows with the swarm",
     )
     max_peers_reported: int = setting(
         1024, _int_kind(1), "bounds the peers reply; the routing table may know more",
@@ -505,6 +516,11 @@ class RebalanceSection:
         5.0, _float_kind(0.05), "seconds between gossip rounds: load entries reach hundreds of peers in a few rounds",
     )
     gossip_fanout: int = setting(3, _int_kind(1), "peers exchanged with per gossip round (push-pull)")
+    gossip_max_entries: int = setting(
+        16, _int_kind(0),
+        "load entries besides a peer's own in one gossip exchange, a random sample of its view: an exchange "
+        "stays ~3 KB however large the job, and entries still spread in a few rounds",
+    )
     gossip_timeout_s: float = setting(
         3.0, _float_kind(0.05), "one gossip exchange; a slower partner is skipped for the round and backed off",
     )

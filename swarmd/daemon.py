@@ -457,7 +457,7 @@ class Daemon:
         while True:
             await asyncio.sleep(self.config.peers.discovery_interval_s)
             try:
-                await self.dht.find_nearest(self.identity.peer_id)
+                await self.dht.find_nearest(self.identity.peer_id, self.config.peers.discovery_nearest)
             except DHTError as exc:
                 log.debug("discovery lookup failed: %s", exc)
 
@@ -471,7 +471,8 @@ class Daemon:
 
         await liveness.ping_loop(
             self.book, lambda: [(c.peer_id, c.address) for c in dht.contacts()], ping,
-            interval_s=peers.ping_interval_s, timeout_s=peers.ping_timeout_s, clock=time.monotonic,
+            interval_s=peers.ping_interval_s, timeout_s=peers.ping_timeout_s, sample=peers.ping_sample,
+            clock=time.monotonic,
             on_result=lambda ok: self.metrics.peer_pings.labels("ok" if ok else "failed").inc(),
         )
 

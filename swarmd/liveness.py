@@ -1,10 +1,15 @@
 """Which peers are alive: the last time each one proved it, and a loop that keeps asking.
 
 Kademlia only learns that a contact died when it next talks to it, which on a quiet swarm can be
-minutes. Operators asking `swarmctl peers` want to know now, so the daemon pings every routing-table
-contact each `ping_interval_s` and calls a peer alive while its last answer is younger than
-`liveness_window_s`. The answer's peer id comes from the connection's handshake, so a host that
-took over a dead peer's address does not keep that peer "alive".
+minutes. Operators asking `swarmctl peers` want to know now, so the daemon pings routing-table
+contacts each `ping_interval_s` and calls a peer alive while its last answer is younger than
+`liveness_window_s`. Each interval pings at most `ping_sample` contacts, those tried longest ago
+first (never tried before all others), so every contact is pinged once per ceil(contacts /
+ping_sample) intervals and a daemon's ping traffic stays the same however large the swarm (pinging
+every contact made each daemon's control traffic grow with the swarm). Keep `liveness_window_s`
+above `ping_interval_s` x ceil(contacts / ping_sample), or a live peer may show dead between pings.
+The answer's peer id comes from the connection's handshake, so a host that took over a dead peer's
+address does not keep that peer "alive".
 """
 
 from __future__ import annotations
@@ -70,10 +75,12 @@ async def ping_loop(
     *,
     interval_s: float,
     timeout_s: float,
+    sample: int,
     clock: Callable[[], float],
     on_result: Callable[[bool], None] = lambda ok: None,
 ) -> None:
-    """Forever: ping every known contact at once, each bounded by `timeout_s`, then wait."""
+    """Forever: ping the `sample` known contacts tried longest ago at once, each bounded by
+    `timeout_s`, then wait."""
 
     async def one(address: str) -> None:
         try:
@@ -86,8 +93,15 @@ async def ping_loop(
         book.heard(peer_id, address, clock())
         on_result(True)
 
+    tried: dict[str, int] = {}  # address -> the round it was last pinged in; only current contacts
+    rounds = 0
     while True:
-        targets = {address for _, address in contacts()[: book.max_peers]}
+        known = list(dict.fromkeys(address for _, address in contacts()[: book.max_peers]))
+        tried = {address: tried[address] for address in known if address in tried}
+        targets = sorted(known, key=lambda address: tried.get(address, -1))[:sample]
+        rounds += 1
+        for address in targets:
+            tried[address] = rounds
         async with asyncio.TaskGroup() as tg:
             for address in targets:
                 tg.create_task(one(address))

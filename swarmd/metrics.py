@@ -12,8 +12,9 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
+import msgpack
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
@@ -35,6 +36,19 @@ REQUEST_READ_TIMEOUT_S = 5.0
 OUTCOMES = ("ok", "error", "cancelled")
 #: Outcomes of a trainer's held-out evaluation ([eval], swarmd/train/evaluation.py).
 EVAL_OUTCOMES = ("ok", "given_up")
+#: The closed set of direction label values of swarmd_rpc_served_bytes_total.
+DIRECTIONS = ("in", "out")
+
+
+def message_bytes(meta: Any, tensors: Sequence[Any]) -> int:
+    """What one message carries: its header map as msgpack plus its tensors' in-memory bytes (before
+    the codec; control messages send none, or exact uint8 bytes). Framing and sealing are not
+    included: swarmd_transport_*_bytes counts socket bytes, this attributes them to a method."""
+    try:
+        size = len(msgpack.packb(meta, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError):  # the transport refuses it too; counted as nothing
+        size = 0
+    return size + sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Metrics:
@@ -49,6 +63,12 @@ class Metrics:
         self.rpc_requests = Counter(
             "swarmd_rpc_requests_total", "RPC requests handled, by service, method and outcome.",
             ["service", "method", "outcome"], registry=r,
+        )
+        self.rpc_served_bytes = Counter(
+            "swarmd_rpc_served_bytes_total", "Bytes of RPCs this daemon served (a caller's request in, our "
+            "replies out), by service, method and direction: msgpack header plus tensor bytes before the codec, "
+            "no framing. Puts the transport's byte totals on the methods that spent them.",
+            ["service", "method", "direction"], registry=r,
         )
         self.rpc_duration = Histogram(
             "swarmd_rpc_duration_seconds", "Time to handle one RPC request.", ["service", "method"],
@@ -167,9 +187,11 @@ class InstrumentedRouter(Router):
         async def counted(request: Request) -> Message:
             started = time.perf_counter()
             outcome = "error"
+            self._bytes(name, "in", request.meta, request.tensors)
             try:
                 reply = await handler(request)
                 outcome = "ok"
+                self._bytes(name, "out", reply.meta, reply.tensors)
                 return reply
             except asyncio.CancelledError:
                 outcome = "cancelled"
@@ -183,8 +205,10 @@ class InstrumentedRouter(Router):
         async def counted(request: Request) -> AsyncIterator[Message]:
             started = time.perf_counter()
             outcome = "error"
+            self._bytes(name, "in", request.meta, request.tensors)
             try:
                 async for item in handler(request):
+                    self._bytes(name, "out", item.meta, item.tensors)
                     yield item
                 outcome = "ok"
             except (asyncio.CancelledError, GeneratorExit):
@@ -194,6 +218,9 @@ class InstrumentedRouter(Router):
                 self._observe(name, outcome, started)
 
         super().stream(name, counted)
+
+    def _bytes(self, name: str, direction: str, meta: Any, tensors: Sequence[Any]) -> None:
+        self._metrics.rpc_served_bytes.labels(self._service, name, direction).inc(message_bytes(meta, tensors))
 
     def _observe(self, name: str, outcome: str, started: float) -> None:
         self._metrics.rpc_requests.labels(self._service, name, outcome).inc()

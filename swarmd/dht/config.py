@@ -52,6 +52,17 @@ class DHTConfig:
     #: on a slightly different set) makes the get keep asking instead of returning short.
     get_quorum: int = 3
     get_confirmations: int = 2
+    #: A get that has found no record at all ends once this many of the closest contacts have
+    #: answered empty, none of them failed (else it walks on to get_width): a key's records live on its k closest nodes, so when the 5
+    #: closest hold nothing the key is (almost surely) absent, and walking on to all k would make
+    #: every miss (a job index nobody wrote yet, a stage nobody serves) cost k queries, a number
+    #: that grows with the swarm up to k. A get that found records still walks to its quorum.
+    get_miss_settle: int = 5
+    #: Width of a get's lookup, and the contacts it asks each node for (`n`): the quorum, its
+    #: confirmations and a few replicas that missed a store. Records live on the `replication`
+    #: closest nodes, so the closest 8 hold them; asking for k = 20 contacts per reply made every
+    #: get's replies grow with the swarm until it passed 20 nodes. A k below it is the width.
+    get_width: int = 8
     #: Results are cached until the earliest record expires, but never longer than this: readers
     #: want new announcers within seconds.
     get_cache_max_s: float = 2.0
@@ -137,5 +148,7 @@ class DHTConfig:
                              f"({self.refresh_interval:g} s), or storers drop announcements between refreshes")
         if not 0.0 < self.max_source_share <= 1.0:
             raise ValueError("max_source_share must be in (0, 1]: the share of a node one network may hold")
+        if not 1 <= self.get_miss_settle <= self.get_width:
+            raise ValueError(f"need 1 <= get_miss_settle ({self.get_miss_settle}) <= get_width ({self.get_width})")
         if self.max_subkeys_per_source < 1:
             raise ValueError("max_subkeys_per_source must be at least 1, or no network could store anything")

@@ -156,7 +156,7 @@ class DHTNode:
         k = k or self.config.k
 
         async def query(peer_id: bytes, address: str) -> list[tuple[bytes, str]]:
-            reply = await self._call(peer_id, address, P.FIND_NODE, P.find_node_request(target))
+            reply = await self._call(peer_id, address, P.FIND_NODE, P.find_node_request(target, k))
             return P.parse_contacts(reply.meta, self.config)
 
         result = await self._lookup("find_node", target, k, query)
@@ -219,10 +219,11 @@ class DHTNode:
 
     # ----- lookups -----
 
-    async def _lookup(self, kind: str, target: bytes, k: int, query, enough=lambda: False) -> LookupResult:
+    async def _lookup(self, kind: str, target: bytes, k: int, query,
+                      enough: Callable[[Lookup], bool] = lambda lookup: False) -> LookupResult:
         self.table.touch(target, self.clock.monotonic())
         lookup = Lookup(target, self.peer_id, k, self.config.alpha, self.config.lookup_patience, query,
-                        self._backed_off, self._slow, enough)
+                        self._backed_off, self._slow, lambda: enough(lookup))
         for c in self.table.nearest(target, 2 * k):
             lookup.add(c.peer_id, c.address, 1)
         try:
@@ -282,21 +283,26 @@ class DHTNode:
             replicas += 1
             confirmations = 0 if changed else confirmations + 1
 
-        def enough() -> bool:
-            return replicas >= cfg.get_quorum and confirmations >= cfg.get_confirmations
+        width = min(cfg.get_width, cfg.k)
+
+        def enough(lookup: Lookup) -> bool:
+            if replicas >= cfg.get_quorum and confirmations >= cfg.get_confirmations:
+                return True
+            # A miss settles: nothing found, and the closest nodes (where the records would be) said so.
+            return not merged and lookup.closest_answered(min(cfg.get_miss_settle, width))
 
         local = self.storage.get(key, self.clock.time())
         if local:
             merge(local)
 
         async def query(peer_id: bytes, address: str) -> list[tuple[bytes, str]]:
-            reply = await self._call(peer_id, address, P.FIND_VALUE, P.find_value_request(key))
+            reply = await self._call(peer_id, address, P.FIND_VALUE, P.find_value_request(key, width))
             records, contacts = P.parse_find_value_reply(key, reply.meta, cfg)
             if records:
                 merge(records)
             return contacts
 
-        await self._lookup("find_value", key_id(key), cfg.k, query, enough)
+        await self._lookup("find_value", key_id(key), width, query, enough)
         wall = self.clock.time()
         result = {s: r for s, r in merged.items() if not r.is_tombstone and r.expiration > wall}
         if merged:
@@ -412,11 +418,11 @@ class DHTNode:
             reply: dict = {}
         elif method == P.FIND_NODE:
             target = P.parse_find_node(meta, cfg)
-            reply = P.contacts_reply(self.table.nearest(target, cfg.max_contacts_per_reply, include_failing=False))
+            reply = P.contacts_reply(self.table.nearest(target, P.parse_wanted(meta, cfg), include_failing=False))
         elif method == P.FIND_VALUE:
             key = P.parse_find_value(meta, cfg)
             records = self.storage.sample(key, self.clock.time(), cfg.max_message_record_bytes, P.record_wire_bytes)
-            nearest = self.table.nearest(key_id(key), cfg.max_contacts_per_reply, include_failing=False)
+            nearest = self.table.nearest(key_id(key), P.parse_wanted(meta, cfg), include_failing=False)
             reply = P.find_value_reply(records, nearest)
         elif method == P.STORE:
             key, records = P.parse_store(meta, cfg)

@@ -6,10 +6,14 @@ Counts are checked before anything is built from a list, so a hostile payload co
 the bytes the transport already bounded.
 
     dht.ping        {addr?}                     -> {}
-    dht.find_node   {target: id, addr?}          -> {contacts: [[id, address], ...]}
-    dht.find_value  {key: raw, addr?}            -> {records: [rec, ...], contacts: [...]}
+    dht.find_node   {target: id, n?, addr?}      -> {contacts: [[id, address], ...]}
+    dht.find_value  {key: raw, n?, addr?}        -> {records: [rec, ...], contacts: [...]}
     dht.store       {key: raw, records: [rec..], addr?} -> {results: ["ok" | reason, ...]}
     rec = [subkey, value, expiration, signature, public_key]
+
+`n` is how many contacts the caller wants (the width of its lookup): a lookup for the 3 nearest
+has no use for 20 contacts per reply, and their bytes are most of a reply. Without it a node
+answers `max_contacts_per_reply`; above that it is cut to it, below 1 (or not an integer) refused.
 
 `addr` is the caller's own announce address ("host:port") when the transport's hello did not
 carry one; the caller's id always comes from the handshake, never from the payload.
@@ -76,16 +80,31 @@ def with_addr(meta: dict, addr: str | None) -> dict:
 
 # --- requests ---
 
-def find_node_request(target: bytes) -> dict:
-    return {"target": target}
+def _wanted(meta: dict, n: int | None) -> dict:
+    return meta if n is None else {**meta, "n": n}
+
+
+def parse_wanted(meta: Any, config: DHTConfig) -> int:
+    """The number of contacts a find_node/find_value caller wants: 1 up to max_contacts_per_reply
+    (a larger ask gets that many; an absent one too, as before the field existed)."""
+    n = _field(meta, "n", int, optional=True)
+    if n is None:
+        return config.max_contacts_per_reply
+    if n < 1:
+        raise DHTProtocolError(f"field 'n' is {n}, a lookup wants at least 1 contact")
+    return min(n, config.max_contacts_per_reply)
+
+
+def find_node_request(target: bytes, n: int | None = None) -> dict:
+    return _wanted({"target": target}, n)
 
 
 def parse_find_node(meta: Any, config: DHTConfig) -> bytes:
     return _bytes(meta, "target", ID_BYTES, exact=ID_BYTES)
 
 
-def find_value_request(key: bytes) -> dict:
-    return {"key": key}
+def find_value_request(key: bytes, n: int | None = None) -> dict:
+    return _wanted({"key": key}, n)
 
 
 def parse_find_value(meta: Any, config: DHTConfig) -> bytes:

@@ -54,7 +54,8 @@ class RebalanceSettings:
                               confirm_after_s=section.confirm_after_s, margin=section.margin,
                               max_moves=section.max_moves, speed_tolerance=section.speed_tolerance)
         gossip = GossipConfig(period_s=section.gossip_interval_s, fanout=section.gossip_fanout,
-                              call_timeout_s=section.gossip_timeout_s, members_ttl_s=section.membership_ttl_s)
+                              call_timeout_s=section.gossip_timeout_s, members_ttl_s=section.membership_ttl_s,
+                              max_exchange_entries=section.gossip_max_entries)
         return cls(section.enabled, policy, gossip, section.drain_timeout_s)
 
 

@@ -2,9 +2,12 @@
 
 `swarmd.rebalance.view` is pure; this module is the thin asyncio shell that moves its bytes. Every
 `period_s` (jittered, so a swarm's rounds do not align) a peer re-signs its own entry, picks `fanout`
-random members of the job and, in one `gossip.exchange` call each, pushes its whole view and merges the
-view that comes back. Newest-per-peer and signatures make the exchange idempotent and safe to relay,
-so a lost call costs nothing but freshness.
+random members of the job and, in one `gossip.exchange` call each, pushes its own entry and a random
+sample of at most `max_exchange_entries` others from its view, and merges what comes back (the
+partner answers the same way). Sending the whole view made every exchange, and so each peer's
+gossip bytes, grow with the job; a fixed sample still spreads every entry in a few rounds, each
+peer's own entry going out first-hand to `fanout` partners every round. Newest-per-peer and
+signatures make the exchange idempotent and safe to relay, so a lost call costs nothing but freshness.
 
 Membership comes from the `StageDirectory` (the DHT in the daemon): entries of peers it does not list
 are refused, and only listed peers are dialled. Entries are signed by the peer they describe, so the
@@ -95,6 +98,10 @@ class GossipConfig:
     # Directory answers are reused for this long: membership changes on the scale of joins and
     # preemptions (minutes), and each refresh costs a lookup per stage.
     members_ttl_s: float = 15.0
+    # Entries besides our own in one exchange (a request or a reply): a random sample of the view.
+    # 16 keeps an exchange at ~3 KB whatever the job's size; with fanout 3 push-pull a peer meets
+    # ~100 sampled entries per round, so a swarm of dozens converges in a few rounds all the same.
+    max_exchange_entries: int = 16
     # Bounds of the view and of every batch on the wire (encoded bytes, entries, age).
     limits: ViewLimits = DEFAULT_LIMITS
 
@@ -108,6 +115,9 @@ class GossipConfig:
             raise ValueError(f"GossipConfig.jitter must be in [0, 1), got {self.jitter!r}")
         if self.fanout < 1 or self.max_tracked_callers < 1:
             raise ValueError("GossipConfig.fanout and max_tracked_callers must be at least 1")
+        if not 0 <= self.max_exchange_entries < self.limits.max_batch:
+            raise ValueError(f"GossipConfig.max_exchange_entries must be in [0, limits.max_batch - 1], "
+                             f"got {self.max_exchange_entries!r}: an exchange carries them and our own entry")
         if self.inbound_burst < 1:
             raise ValueError("GossipConfig.inbound_burst must be at least 1, or no call is ever admitted")
         if self.backoff_max_s < self.backoff_base_s:
@@ -181,6 +191,7 @@ class GossipService:
         self.stats = GossipStats()
         self._buckets = TokenBuckets(config.inbound_rate_per_s, config.inbound_burst, config.max_tracked_callers)
         self._rng = random.Random(identity.peer_id)  # deterministic per peer, different across peers
+        self._sample_rng = random.Random(identity.peer_id + b"sample")  # the worker thread's own
         self._members: dict[bytes, str] = {}  # peer id -> address, from the directory
         self._members_at: float | None = None
         self._failures: dict[bytes, int] = {}
@@ -361,11 +372,16 @@ class GossipService:
         return self.view.merge(entries, self.clock.time(), members)
 
     def _encode_view(self) -> bytes:
-        """Worker thread: our live entries, newest first, cut to what a receiver with our limits
-        accepts (by count, then by bytes should an odd configuration make entries outgrow them)."""
+        """Worker thread: our own entry first, then a random sample of at most max_exchange_entries
+        other live entries, cut to what a receiver with our limits accepts (by bytes, should an odd
+        configuration make entries outgrow them; our own entry goes last)."""
         limits = self.config.limits
         self.view.expire(self.clock.time())
-        entries = sorted(self.view.entries(), key=lambda e: e.timestamp, reverse=True)[: limits.max_batch]
+        own = self.view.get(self.identity.peer_id)
+        others = sorted((e for e in self.view.entries() if e.peer_id != self.identity.peer_id),
+                        key=lambda e: e.peer_id)
+        sample = self._sample_rng.sample(others, min(self.config.max_exchange_entries, len(others)))
+        entries = ([own] if own is not None else []) + sample
         while len(data := encode_entries(entries)) > limits.max_encoded_bytes:
             entries = entries[: len(entries) // 2]
         return data

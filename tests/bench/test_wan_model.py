@@ -60,3 +60,13 @@ def test_dht_gets_at_100_ms_all_succeed_under_a_second(failure):
     assert row["rtt_ms"] == 100
     assert row["success_rate"] == 1.0
     assert row["get_p99_ms"] < 1000
+
+
+def test_dht_latency_records_outlive_the_run():
+    """The latency rows' records are held a day: under a peer-rule namespace a storer keeps them at
+    most max_announce_ttl (150 s), less than 200 keys' stores and reads take at 100 ms, and every
+    key had expired before it was read (success 0.0)."""
+    from swarmd.dht import DHTConfig
+    from swarmd.dht.storage import Storage
+
+    assert Storage(DHTConfig()).ttl_cap(dht.latency_key(0)) >= 24 * 3600

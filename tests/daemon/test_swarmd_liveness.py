@@ -47,7 +47,7 @@ async def test_ping_loop_records_the_proven_id_and_skips_failures() -> None:
         return B
 
     task = asyncio.create_task(ping_loop(
-        book, lambda: [(A, "fast:1"), (C, "slow:1")], ping, interval_s=0.01, timeout_s=0.05,
+        book, lambda: [(A, "fast:1"), (C, "slow:1")], ping, interval_s=0.01, timeout_s=0.05, sample=8,
         clock=lambda: 50.0, on_result=results.append))
     await until(lambda: True in results and False in results and book.alive(B, 50.0), 10,
                 "a good answer and a failed ping")
@@ -56,3 +56,36 @@ async def test_ping_loop_records_the_proven_id_and_skips_failures() -> None:
         await task
     assert book.alive(B, 50.0) and not book.alive(A, 50.0) and not book.alive(C, 50.0)
     assert True in results and False in results
+
+
+async def test_each_round_pings_a_bounded_sample_and_every_contact_in_turn() -> None:
+    """20 contacts, a sample of 8: every round pings at most 8 (a daemon's ping traffic does not grow
+    with the swarm), those pinged longest ago first, so 3 rounds reach all 20 and none twice."""
+    contacts = [(bytes([i]) * 32, f"h:{i}") for i in range(20)]
+    log: list[str | None] = []  # None marks the start of a round, then the addresses it pinged
+
+    def listing() -> list[tuple[bytes, str]]:
+        log.append(None)
+        return contacts
+
+    async def ping(address: str) -> bytes:
+        log.append(address)
+        return dict((a, p) for p, a in contacts)[address]
+
+    book = PeerBook(window_s=5.0, max_peers=100)
+    task = asyncio.create_task(ping_loop(book, listing, ping, interval_s=0.001, timeout_s=1.0, sample=8,
+                                         clock=lambda: 50.0))
+    await until(lambda: log.count(None) >= 5, 10, "four full rounds")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    rounds: list[list[str]] = []
+    for entry in log:
+        if entry is None:
+            rounds.append([])
+        else:
+            rounds[-1].append(entry)
+    assert [len(r) for r in rounds[:4]] == [8, 8, 8, 8]
+    first_three = rounds[0] + rounds[1] + rounds[2]
+    assert sorted(set(first_three)) == sorted(a for _, a in contacts)  # all 20 reached ...
+    assert len(first_three) == 24 and set(rounds[2][4:]) <= set(rounds[0])  # ... before any twice

@@ -91,6 +91,39 @@ async def test_instrumented_router_counts_outcomes_by_registered_name() -> None:
     assert value("swarmd_rpc_duration_seconds_count", {"service": "control", "method": "ok"}) == 1
 
 
+async def test_instrumented_router_counts_served_bytes_by_method_and_direction() -> None:
+    """Each method's requests in and replies out, msgpack header plus tensor bytes: what the scale
+    bench reads to say which method spends a daemon's control traffic."""
+    import msgpack
+    import torch
+
+    metrics = Metrics("1")
+    router = InstrumentedRouter(metrics, "peer")
+
+    async def echo(req: Request) -> Message:
+        return Message({"contacts": [b"x" * 32] * 3}, [torch.zeros(10, dtype=torch.uint8)])
+
+    async def streamed(req: Request):
+        for i in range(3):
+            yield Message({"i": i})
+
+    router.unary("dht.find_node", echo)
+    router.stream("s", streamed)
+    ask = Request("dht.find_node", {"target": b"t" * 32}, [torch.zeros(4, dtype=torch.float32)], None,
+                  RemoteInfo(None, None, {}, None))
+    await router.lookup("dht.find_node")[1](ask)
+    await router.lookup("dht.find_node")[1](ask)
+    assert [m async for m in router.lookup("s")[1](request("s"))]
+    value = metrics.registry.get_sample_value
+    req_bytes = len(msgpack.packb({"target": b"t" * 32})) + 16
+    reply_bytes = len(msgpack.packb({"contacts": [b"x" * 32] * 3})) + 10
+    labels = {"service": "peer", "method": "dht.find_node"}
+    assert value("swarmd_rpc_served_bytes_total", {**labels, "direction": "in"}) == 2 * req_bytes
+    assert value("swarmd_rpc_served_bytes_total", {**labels, "direction": "out"}) == 2 * reply_bytes
+    assert value("swarmd_rpc_served_bytes_total", {"service": "peer", "method": "s", "direction": "out"}) == \
+        sum(len(msgpack.packb({"i": i})) for i in range(3))
+
+
 @pytest.mark.parametrize("case", ["swarm key", "encryption", "admission"])
 async def test_failed_hellos_are_counted_by_reason_on_both_sides(case: str) -> None:
     """1. A server whose Traffic is a Metrics object's, and a client with its own Traffic, over real

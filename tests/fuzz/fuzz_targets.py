@@ -276,7 +276,14 @@ _DHT_PARSERS = (
     lambda meta: dht_protocol.parse_contacts(meta, _DHT),
     lambda meta: _check_all(dht_protocol.parse_find_value_reply(dht_key("job", "j", "stage", 0), meta, _DHT)[0]),
     lambda meta: dht_protocol.parse_store_reply(meta, 3),
+    lambda meta: _wanted_in_range(dht_protocol.parse_wanted(meta, _DHT)),
 )
+
+
+def _wanted_in_range(n: int) -> None:
+    """A reply is sized by `n`: whatever a caller sends, it is 1..max_contacts_per_reply."""
+    if not 1 <= n <= _DHT.max_contacts_per_reply:
+        raise InvariantBroken(f"parse_wanted gave {n}, outside 1..{_DHT.max_contacts_per_reply}")
 
 
 def _check_all(records) -> None:
@@ -331,6 +338,8 @@ def _dht_seeds() -> list[bytes]:
         dht_input(4, dht_protocol.contacts_reply([contact])),
         dht_input(5, dht_protocol.find_value_reply(records, [contact])),
         dht_input(6, dht_protocol.store_reply(["ok", "expired", "bad_signature"])),
+        dht_input(7, dht_protocol.find_node_request(_REMOTE.peer_id, 3)),
+        dht_input(7, {"key": key, "n": 10 ** 6}),
         b"\xff" + key,
     ]
 
@@ -341,7 +350,8 @@ DHT = Target(
     expected=(DHTError,),
     alloc_bound=_msgpack_bound,
     seeds=_dht_seeds,
-    description="swarmd.dht.protocol parse_* validators, records.check_record/namespace_of, Storage.put",
+    description="swarmd.dht.protocol parse_* validators (parse_wanted included), records.check_record/namespace_of, "
+                "Storage.put",
 )
 
 # ------------------------------------------------------------------------------------------ gossip

@@ -471,3 +471,31 @@ async def test_stopping_peers_one_by_one_under_traffic_logs_no_error(caplog):
         with pytest.raises(GossipStopped):
             await peers[0].service.table()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_an_exchange_carries_the_own_entry_and_a_bounded_sample_and_views_still_fill():
+    """12 peers whose exchanges carry at most 3 entries besides the sender's own: every view still
+    fills; a full view's holder then answers an exchange with its own entry first and 3 others,
+    a different sample each time, never its whole view (which made gossip bytes grow with the job)."""
+    config = dataclasses.replace(FAST, max_exchange_entries=3)
+    async with swarm(12, config) as (peers, _):
+        everyone = {p.identity.peer_id for p in peers}
+        rounds = await wait_full(peers, everyone, timeout=30.0)
+        print(f"\n12 peers, 3 sampled entries per exchange: full views after at most {max(rounds)} rounds")
+        target = peers[0]
+        samples = set()
+        async with client(b"gossip-peer-5") as (_, pool):
+            for _ in range(4):
+                reply = await pool.call(target.addr, METHOD, exchange_message(encode_entries([])), timeout=2.0)
+                got = reply_entries(reply)
+                assert len(got) == 4 and got[0].peer_id == target.identity.peer_id
+                assert len({e.peer_id for e in got}) == 4 and {e.peer_id for e in got} <= everyone
+                samples.add(frozenset(e.peer_id for e in got[1:]))
+        assert len(samples) > 1
+
+
+def test_the_exchange_cap_is_checked():
+    with pytest.raises(ValueError):
+        GossipConfig(max_exchange_entries=-1)
+    with pytest.raises(ValueError):
+        GossipConfig(max_exchange_entries=64, limits=ViewLimits(max_batch=64))
