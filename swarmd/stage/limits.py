@@ -84,14 +84,18 @@ class StageLimits:
     # (a straggler catches up by download instead of holding every round hostage).
     bench_s: float = 1.0
     bench_max_s: float = 60.0
-    # The longest one all-reduce round (reduce + gather) may take. Each round's own timeout is
-    # derived from the bytes each member moves and the slowest member's measured send rate
-    # (`allreduce.round_timeout`: round_time_margin x bytes / rate, at least round_timeout_floor_s),
-    # capped here; before any rate is measured, this cap. A mate whose parts miss it is benched.
+    # The longest one all-reduce phase (reduce-scatter, all-gather) may take. Each phase's deadline
+    # is derived from the bytes each member sends in that phase and its own measured send rate
+    # (`allreduce.phase_deadlines`: round_time_margin x bytes / rate, at least round_timeout_floor_s),
+    # capped here; before any rate is measured, this cap. A mailbox box expires after twice it.
     round_timeout_s: float = 60.0
     # The shortest a round's timeout gets however fast the links look: scheduling noise, a
     # garbage-collection pause, a loaded event loop must not fail a round.
     round_timeout_floor_s: float = 5.0
+    # A member whose measured all-reduce send rate is below this fraction of its round's fastest
+    # member's owns no shard in the rounds this peer leads (`allreduce.choose_owners`): it sends its
+    # vector once and the all-gather never waits on its uplink.
+    owner_min_rate_fraction: float = 0.25
     # How many times the expected transfer time a round is given: a measured rate is an average,
     # and the gather follows the reduce on the same links.
     round_time_margin: float = 4.0
@@ -161,6 +165,9 @@ class StageLimits:
             elif field.name == "replay_previous":
                 if not isinstance(value, bool):
                     raise ValueError(f"StageLimits.replay_previous must be a bool, got {value!r}")
+            elif field.name == "owner_min_rate_fraction":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                    raise ValueError(f"StageLimits.owner_min_rate_fraction must be in (0, 1], got {value!r}")
             elif field.name == "torch_threads":
                 if value is not None and (not isinstance(value, int) or value < 1):
                     raise ValueError(f"StageLimits.torch_threads must be None or >= 1, got {value!r}")

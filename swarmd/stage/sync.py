@@ -39,10 +39,6 @@ from transport.rpc import Message, Pool, Request
 
 log = logging.getLogger(__name__)
 
-#: A member whose measured send rate is below this fraction of its round's fastest member's owns no
-#: shard in the rounds this peer leads (allreduce.choose_owners): it sends its vector once and the
-#: all-gather never waits on its uplink.
-OWNER_MIN_RATE_FRACTION = 0.25
 RATE_EMA = 0.3  # weight of the newest part in the send-rate estimate: a few rounds to settle
 MIN_MEASURED_BYTES = 64 * 1024  # smaller parts measure latency, not the link's rate
 
@@ -170,7 +166,7 @@ class StageSync:
         round_id = os.urandom(16)
         ids = [p for p, _ in lead.members]
         owners = choose_owners([self.rate if p == self.core.peer_id else self.core.rate_of(p) for p in ids],
-                               [self.core.suspect(p) for p in ids], OWNER_MIN_RATE_FRACTION)
+                               [self.core.suspect(p) for p in ids], self.host.limits.owner_min_rate_fraction)
         if not all(owners):
             log.info("stage %d step %d: %d of %d round members own no shard (slow send rate or late lately): %s",
                      self.host.stage_index, lead.step, owners.count(False), len(ids),

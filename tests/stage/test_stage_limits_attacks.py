@@ -184,7 +184,8 @@ async def test_wait_commit_calls_have_slots_of_their_own(kit):
 
 
 @pytest.mark.parametrize("field, value", [("queue_size", 0), ("max_batch", -1), ("round_timeout_s", 0.0),
-                                          ("allreduce_codec", "gzip"), ("torch_threads", 0), ("workers", True)])
+                                          ("allreduce_codec", "gzip"), ("torch_threads", 0), ("workers", True),
+                                          ("owner_min_rate_fraction", 1.5), ("owner_min_rate_fraction", 0.0)])
 def test_limits_refuse_unusable_values(field, value):
     with pytest.raises(ValueError, match=field):
         StageLimits(**{field: value})
