@@ -193,7 +193,10 @@ class LocalSwarm:
         self.root = Path(root)
         self.settings = settings
         self.peers: list[PeerProcess] = []
-        self._lock = threading.Lock()
+        # Re-entrant: `close` runs from signal handlers (install_signal_handlers), which Python runs
+        # in the main thread between bytecodes, possibly while that thread holds this lock in
+        # `spawn` (a Ctrl-C during a daemon's Popen deadlocked the demo under load).
+        self._lock = threading.RLock()
         self._closed = False
         _register(self)
 
@@ -232,6 +235,9 @@ class LocalSwarm:
                                metrics_port=free_port() if self.settings.metrics else None)
             self.peers.append(peer)
             self._launch(peer)
+            if self._closed:  # closed by a signal handler while this thread launched it
+                self._reap(peer)
+                raise SwarmError("this local swarm was closed while a peer started")
         return peer
 
     def _launch(self, peer: PeerProcess) -> None:
@@ -335,6 +341,9 @@ class LocalSwarm:
             peer.bootstrap = tuple(a for a in self._live_addresses() if a != peer.address) or peer.bootstrap
             peer.restarts += 1
             self._launch(peer)
+            if self._closed:  # closed by a signal handler while this thread launched it
+                self._reap(peer)
+                raise SwarmError("this local swarm was closed while a peer restarted")
         if wait:
             self.wait_ready([peer])
         return peer
