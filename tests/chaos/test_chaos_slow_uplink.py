@@ -31,7 +31,8 @@ D_MODEL = 128
 @pytest.mark.slow
 def test_a_stage_mate_with_a_slow_uplink_owns_no_shard_and_the_job_trains_exactly(tmp_path: Path) -> None:
     """1. Namespaces a and b joined by a veth pair: a's egress 200 Mbit/s, b's 4 Mbit/s.
-       2. In a: peer0 (trains), peer1 (stage 0), peer2 (stage 1); in b: peer3 (stage 1).
+       2. In a: peer0 (trains), peer1 (stage 0), peer2 (stage 1); in b: peer3 (stage 1). Both
+          stage-1 mates are announced before stage 0 is served, so no step trains without them.
        Expected: the job finishes (I3); every step's stage records hold exactly global_samples
        with no microbatch summed twice (I1) and the loss goes down; once its rate is measured the
        slow mate owns no shard in its stage's rounds (the leader's log says so), so the all-gather
@@ -51,8 +52,14 @@ def test_a_stage_mate_with_a_slow_uplink_owns_no_shard_and_the_job_trains_exactl
             p3 = swarm.spawn(bootstrap=(trainer.address,), host=link.addr_b, netns=link.ns_b)
             swarm.wait_ready([trainer, p1, p2, p3])
             run = ch.Run(swarm, trainer, ch.submit(swarm, trainer, raw, data), STEPS)
-            for peer, stage in ((p1, 0), (p2, 1), (p3, 1)):
-                run.serve(peer, stage)
+            # Both stage-1 mates are announced before stage 0 has a peer, so the job cannot train
+            # a step without the slow mate: a job of 0.1 s steps would otherwise run to its end
+            # while the slow mate, joining late, only downloads state and never meets a round.
+            run.serve(p3, 1)
+            run.serve(p2, 1)
+            run.wait("both stage-1 mates announced",
+                     lambda v: all(run.announced(v, p, 1) is not None for p in (p2, p3)), timeout=60)
+            run.serve(p1, 0)
             final = run.wait("the job to finish", lambda v: v["state"] == "done", timeout=600)
             assert final["step"] == STEPS
             events = ch.check_steps(run, raw)
