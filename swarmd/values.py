@@ -352,10 +352,11 @@ class DHTValues:
                 self._refuse(exc, record)
         return None
 
-    async def progress(self, job_id: bytes, submitter: bytes, steps: int) -> JobProgress | None:
-        """The progress the submitter signed; anyone else's record under the key is not read."""
+    async def progress(self, job_id: bytes, submitter: bytes, steps: int, latest: bool = True) -> JobProgress | None:
+        """The progress the submitter signed; anyone else's record under the key is not read (the
+        node checked each record's signature and that its subkey is its signer's peer id)."""
         progress = None
-        for record in (await self.dht.get(progress_key(job_id), latest=True)).values():
+        for record in (await self.dht.get(progress_key(job_id), latest=latest)).values():
             if record.public_key != submitter:
                 continue
             try:
