@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 
 from swarmd.dht import dht_key
+from swarmd.errors import PeerError
 from swarmd.job import JobSpec, SpecError
 from transport.errors import LocalProtocolError
 from transport.pool import parse_address
@@ -71,8 +72,9 @@ MAX_PROGRESS_POINTS = 32
 MAX_PROGRESS_BYTES = 2048
 
 
-class ValueRefused(ValueError):
-    """A value breaks its kind's schema; `reason` is one of VALUE_REFUSALS."""
+class ValueRefused(PeerError, ValueError):
+    """A value breaks its kind's schema; `reason` is one of VALUE_REFUSALS. Whoever wrote it is at
+    fault (a PeerError); a ValueError too, as every decoder of bad bytes raises one."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
