@@ -252,7 +252,7 @@ async def test_an_fp16_all_reduce_of_sums_past_fp16s_range_is_scaled_not_clamped
     scaled by 1e4: the members' gradient sums reach ~3e5, past fp16's largest finite 65504.
     Expected: every peer holds the same parameters, within fp16's rounding (1e-3 relative, as the
     lossy-codec test) of the reference; a plain fp16 cast (the all-reduce before its pieces were
-    scaled) clamped the sums to 65504, 0.78 off."""
+    scaled) clamped the sums to 65504: 0.79 off."""
     scale = 1e4
     spec = kit.make_spec(stages=3, optim="sgd")
     directory = StaticDirectory()

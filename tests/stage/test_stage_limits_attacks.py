@@ -13,6 +13,7 @@ from waiting import until
 from swarmd.directory import StaticDirectory
 from swarmd.stage import StageLimits
 from swarmd.stage.limits import Slots
+from swarmd.stage.sync import ROUND_PROTOCOL
 from transport.errors import RemoteError, RpcError
 from transport.identity import Identity
 from transport.rpc import Message, Pool, RpcConfig
@@ -22,8 +23,8 @@ STAGE = 1
 
 
 def part_meta(kit, round_id, members, src=1, offset=0, step=0):
-    return {**kit.meta(STAGE), "round": round_id, "step": step, "members": members, "src": src,
-            "offset": offset, "ids": [[0, 1]], "samples": B}
+    return {**kit.meta(STAGE), "protocol": ROUND_PROTOCOL, "round": round_id, "step": step, "members": members,
+            "src": src, "offset": offset, "ids": [[0, 1]], "samples": B}
 
 
 async def test_unknown_rounds_past_max_open_rounds_are_refused(kit, client):
