@@ -312,11 +312,8 @@ class StageSync:
             async with asyncio.timeout(gather_s):
                 if owners[me]:  # a member that owns no shard has nothing to send: nobody waits for it
                     sending = True
-
-                    async def gathered(j: int) -> list[Piece]:
-                        return pieces
-
-                    await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather", gathered,
+                    await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
+                                                         _to_everyone(pieces),
                                                          {"outliers": outliers, "kept": list(plan.kept)}))
                     sending = False
                 await box.wait(box.gathered_ready)
@@ -567,6 +564,14 @@ def _reduce_shard(box: RoundBox, limits: StageLimits,
         return total, [], outliers
     reduced, pieces = round_trip(total, _piece_elements(limits), limits.allreduce_codec)
     return reduced, pieces, outliers
+
+
+def _to_everyone(pieces: list[Piece]) -> Callable[[int], Coroutine[Any, Any, list[Piece]]]:
+    """The all-gather's payload: the owner's packed shard, the same pieces for every member."""
+    async def same(j: int) -> list[Piece]:
+        return pieces
+
+    return same
 
 
 def _piece_elements(limits: StageLimits) -> int:

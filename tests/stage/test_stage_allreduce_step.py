@@ -281,3 +281,33 @@ async def test_an_fp16_all_reduce_of_sums_past_fp16s_range_is_scaled_not_clamped
     finally:
         for p in peers:
             await p.close()
+
+
+async def test_an_fp16_all_reduce_of_an_overflowed_sum_skips_the_step_on_every_member(kit, client):
+    """Steps: 3 peers, the default fp16 all-reduce codec, one step whose output gradients are
+    scaled by 3e37 (finite): the members' fp32 gradient sums overflow (inf, and nan where infs meet).
+    Expected: the pieces holding them travel in fp32, unchanged, so every member reduces the same
+    non-finite gradient and skips the update alike: each records the step with grad_norm inf, keeps
+    its parameters as they were, and all hold the same digest. (A plain fp16 cast would have
+    turned the infs into a finite 65504.)"""
+    scale = 3e37
+    spec = kit.make_spec(stages=3, optim="sgd")
+    directory = StaticDirectory()
+    limits = dataclasses.replace(kit.FAST, allreduce_codec="fp16")
+    peers = [await kit.start_peer(spec, STAGE, i + 1, directory, limits) for i in range(3)]
+    before = [p.detach().clone() for p in peers[0].service.stage.parameters()]
+    try:
+        async def send_scaled(peer, m):
+            x, gy = inputs(0, m)
+            await kit.call(client, peer, "stage.backward", STAGE, 0, m, [x, gy * scale])
+
+        await asyncio.gather(*(send_scaled(peers[m % 3], m) for m in range(4)))
+        await wait_step(peers, 1)
+        for p in peers:
+            assert p.service.records[-1].grad_norm == float("inf") and p.service.records[-1].members == 3
+            for a, b in zip(p.service.stage.parameters(), before):
+                assert torch.equal(a, b)
+        assert len({p.service.digest for p in peers}) == 1
+    finally:
+        for p in peers:
+            await p.close()
