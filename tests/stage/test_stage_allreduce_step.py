@@ -288,8 +288,8 @@ async def test_an_fp16_all_reduce_of_an_overflowed_sum_skips_the_step_on_every_m
     scaled by 3e37 (finite): the members' fp32 gradient sums overflow (inf, and nan where infs meet).
     Expected: the pieces holding them travel in fp32, unchanged, so every member reduces the same
     non-finite gradient and skips the update alike: each records the step with grad_norm inf, keeps
-    its parameters as they were, and all hold the same digest. (A plain fp16 cast would have
-    turned the infs into a finite 65504.)"""
+    its parameters as they were, and all hold the same digest. (With a plain fp16 cast, before
+    pieces were packed, the infs became a finite 65504 and the step was taken: grad norm 9.2e5.)"""
     scale = 3e37
     spec = kit.make_spec(stages=3, optim="sgd")
     directory = StaticDirectory()
