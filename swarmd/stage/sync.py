@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 import torch
@@ -32,7 +32,7 @@ from swarmd.stage.core import (DIGEST_BYTES, Download, Lead, MateView, Phase, Ro
 from swarmd.stage.errors import RoundFailed, bad_input, busy, protocol_mismatch
 from swarmd.stage.idsets import decode_ranges, encode_ranges
 from swarmd.stage.limits import StageLimits
-from swarmd.stage.packing import Piece, message_codec, pack_part, round_trip, unpack
+from swarmd.stage.packing import Piece, message_codec, pack, round_trip, unpack
 from swarmd.stage.robust import CENTERED_CLIP, centered_clip
 from transport.errors import DeadlineExceeded, RpcError, TransportError
 from transport.rpc import Message, Pool, Request
@@ -372,19 +372,22 @@ class StageSync:
             if outcome != "committed":
                 self.core.round_failed(_now(), round_id, ids[0], late)
 
-    def _packer(self, flat: torch.Tensor, box: RoundBox) -> Callable[[int], Coroutine[Any, Any, list[Piece]]]:
-        """Member j's copy of its shard, packed for the wire in the auxiliary thread (a shard's
-        rounding and scaling is a pass over it: not on the event loop)."""
+    def _packer(self, flat: torch.Tensor, box: RoundBox) -> Callable[[int], AsyncIterator[Piece]]:
+        """Member j's copy of its shard, packed for the wire one piece at a time, as it leaves (so
+        no more than a piece per member is held packed), in the auxiliary thread (scaling and
+        rounding are a pass over the piece: not on the event loop)."""
         limits = self.host.limits
+        per, codec = _piece_elements(limits), limits.allreduce_codec
 
-        async def packed(j: int) -> list[Piece]:
+        async def packed(j: int) -> AsyncIterator[Piece]:
             lo, hi = box.bounds[j]
-            return await self.host.in_aux(pack_part, flat[lo:hi], _piece_elements(limits), limits.allreduce_codec)
+            for offset in range(0, max(hi - lo, 1), per):
+                yield await self.host.in_aux(pack, offset, flat[lo + offset: min(hi, lo + offset + per)], codec)
 
         return packed
 
     async def _send(self, round_id: bytes, step: int, members: list[tuple[bytes, str]], method: str,
-                    payload: Callable[[int], Coroutine[Any, Any, list[Piece]]], head: dict) -> None:
+                    payload: Callable[[int], AsyncIterator[Piece]], head: dict) -> None:
         """Send every other member j its part, `payload(j)`'s pieces, one message each in order."""
         me = [p for p, _ in members].index(self.core.peer_id)
         box = self.mailbox.get(round_id)
@@ -394,7 +397,7 @@ class StageSync:
         codec = message_codec(self.host.limits.allreduce_codec)
 
         async def to(j: int, addr: str) -> None:
-            for piece in await payload(j):
+            async for piece in payload(j):
                 extra = head if piece.offset == 0 else {}
                 message = Message({**meta, **extra, **piece.meta()}, [piece.tensor], codec=codec)
                 began = time.perf_counter()
@@ -566,10 +569,12 @@ def _reduce_shard(box: RoundBox, limits: StageLimits,
     return reduced, pieces, outliers
 
 
-def _to_everyone(pieces: list[Piece]) -> Callable[[int], Coroutine[Any, Any, list[Piece]]]:
-    """The all-gather's payload: the owner's packed shard, the same pieces for every member."""
-    async def same(j: int) -> list[Piece]:
-        return pieces
+def _to_everyone(pieces: list[Piece]) -> Callable[[int], AsyncIterator[Piece]]:
+    """The all-gather's payload: the owner's packed shard (packed whole: the owner keeps what it
+    unpacks to), the same pieces for every member."""
+    async def same(j: int) -> AsyncIterator[Piece]:
+        for piece in pieces:
+            yield piece
 
     return same
 
