@@ -153,7 +153,7 @@ def register(router: Router, daemon: DaemonView) -> None:
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < job.spec.pipeline.stages:
             raise RpcError("bad_request", f"stage: an integer in 0..{job.spec.pipeline.stages - 1} or null")
         try:
-            await daemon.serving.serve(job.spec, job.job_id, stage)
+            await daemon.serving.serve(job.spec, job.job_id, stage, submitter=job.submitter)
         except (ExportError, PrecisionError) as exc:  # the job's init weights or dtype cannot be served here
             raise RpcError("bad_request", f"stage {stage}: {exc}") from None
         except Busy as exc:  # jobs.max_stages reached, or the stage is over jobs.max_stage_memory

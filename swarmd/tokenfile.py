@@ -17,12 +17,15 @@ from typing import BinaryIO, Literal
 
 import numpy as np
 
+from swarmd.errors import LocalError
+
 TokenDtype = Literal["uint16", "uint32"]
 TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
-class TokenFileError(ValueError):
-    """A token file that cannot be what the job says it is (size, width)."""
+class TokenFileError(LocalError, ValueError):
+    """A token file that cannot be what the job says it is (size, width). A ValueError too, as the
+    data readers that open it catch malformed input as one."""
 
 
 def largest_vocab(token_dtype: TokenDtype) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 
 from swarmd.dht import dht_key
+from swarmd.errors import PeerError
 from swarmd.job import JobSpec, SpecError
 from transport.errors import LocalProtocolError
 from transport.pool import parse_address
@@ -71,8 +72,9 @@ MAX_PROGRESS_POINTS = 32
 MAX_PROGRESS_BYTES = 2048
 
 
-class ValueRefused(ValueError):
-    """A value breaks its kind's schema; `reason` is one of VALUE_REFUSALS."""
+class ValueRefused(PeerError, ValueError):
+    """A value breaks its kind's schema; `reason` is one of VALUE_REFUSALS. Whoever wrote it is at
+    fault (a PeerError); a ValueError too, as every decoder of bad bytes raises one."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -352,10 +354,11 @@ class DHTValues:
                 self._refuse(exc, record)
         return None
 
-    async def progress(self, job_id: bytes, submitter: bytes, steps: int) -> JobProgress | None:
-        """The progress the submitter signed; anyone else's record under the key is not read."""
+    async def progress(self, job_id: bytes, submitter: bytes, steps: int, latest: bool = True) -> JobProgress | None:
+        """The progress the submitter signed; anyone else's record under the key is not read (the
+        node checked each record's signature and that its subkey is its signer's peer id)."""
         progress = None
-        for record in (await self.dht.get(progress_key(job_id), latest=True)).values():
+        for record in (await self.dht.get(progress_key(job_id), latest=latest)).values():
             if record.public_key != submitter:
                 continue
             try:

@@ -44,8 +44,9 @@ class AccessDenied(LocalError, PermissionError):
     """The reader may not open this path; the message names the user and the path."""
 
 
-class NotAFile(OSError):
-    """The path names no regular file (missing, a directory, a device...); the message says which."""
+class NotAFile(LocalError, OSError):
+    """The path names no regular file (missing, a directory, a device...); the message says which.
+    An OSError too, with its errno, so a reader handles it beside the kernel's own refusals."""
 
 
 @dataclass(frozen=True)

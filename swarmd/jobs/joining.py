@@ -283,7 +283,7 @@ class Joining:
             return True  # pinned by hand meanwhile: its own announcement replaced our intent
         intent = intent or self._intent(job, stage)
         try:
-            await self.serving.serve(job.spec, job.job_id, stage)
+            await self.serving.serve(job.spec, job.job_id, stage, submitter=job.submitter)
         except asyncio.CancelledError:
             await asyncio.shield(self._drop(job, stage, intent))
             raise

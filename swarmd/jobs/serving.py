@@ -33,9 +33,11 @@ from swarmd.model.precision import PrecisionError
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.limits import StageLimits
+from swarmd.stage.resume import ProgressAnchor
 from swarmd.stage.service import StageService
 from swarmd.stage.state import StateError
 from swarmd.supervisor import Supervisor
+from swarmd.values import DHTValues
 from transport.errors import RpcError, TransportError
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class Serving:
         self.supervisor = supervisor or Supervisor("stages")
         self.prober = prober  # the daemon's: a move leaves a stage only to peers that answered
         self.dht, self.router, self.pool, self.directory = dht, router, pool, directory
+        self.values = DHTValues(dht)
         self.peer_id, self.address, self.device = peer_id, address, device
         self.state_dir, self.limits, self.max_stages = state_dir, limits, max_stages
         self.max_stage_memory = max_stage_memory or default_stage_memory(device, max_stages)
@@ -62,13 +65,15 @@ class Serving:
         self.moving: dict[bytes, Moving] = {}  # job id -> the rebalancing move under way
         self.moves: collections.deque[MoveRecord] = collections.deque(maxlen=MOVES_KEPT)
 
-    async def serve(self, spec: Any, job_id: bytes, stage: int) -> StageService:
+    async def serve(self, spec: Any, job_id: bytes, stage: int, *, submitter: bytes) -> StageService:
         """Join `stage` of the job (download state from a mate, else a checkpoint, else fresh init).
-        One join at a time: `swarmctl serve` and automatic joining may ask for the same stage at once."""
+        `submitter`: the public key the job id was checked against (`Job.submitter`), whose signed
+        progress alone lets the stage skip steps it lost. One join at a time: `swarmctl serve` and
+        automatic joining may ask for the same stage at once."""
         async with self._joins:
-            return await self._serve(spec, job_id, stage)
+            return await self._serve(spec, job_id, stage, submitter)
 
-    async def _serve(self, spec: Any, job_id: bytes, stage: int) -> StageService:
+    async def _serve(self, spec: Any, job_id: bytes, stage: int, submitter: bytes) -> StageService:
         if (job_id, stage) in self.served:
             return self.served[(job_id, stage)].service
         if len(self.served) >= self.max_stages:
@@ -76,7 +81,8 @@ class Serving:
         check_stage_fits(spec, stage, self.max_stage_memory, microbatches_at_once=self.limits.max_batch * self.limits.workers)
         service = StageService(spec, job_id, stage, self.peer_id, self.router, self.pool, self.directory,
                                address=self.address, device=self.device, limits=job_limits(self.limits, spec),
-                               state_dir=self.state_dir, supervisor=self.supervisor)
+                               state_dir=self.state_dir, supervisor=self.supervisor,
+                               anchor=submitter_progress(self.values, job_id, submitter, spec.steps))
         await service.start()
         ann = self.dht.announce(stage_key(job_id, stage),
                                 lambda: announcement_value(self.address, service.announcement()))
@@ -131,7 +137,7 @@ class Serving:
             new = StageService(old.service.spec, job_id, to_stage, self.peer_id, self.router, self.pool,
                                self.directory, address=self.address, device=self.device,
                                limits=job_limits(self.limits, old.service.spec), state_dir=self.state_dir,
-                               supervisor=self.supervisor)
+                               supervisor=self.supervisor, anchor=old.service.anchor)
             try:
                 await new.start()
             except (TransportError, RpcError, StateError, OSError, ExportError, PrecisionError) as exc:
@@ -205,6 +211,18 @@ class Serving:
             await self.dht.withdraw(item.announcement)
         for item in served:
             await item.service.stop()
+
+
+def submitter_progress(values: DHTValues, job_id: bytes, submitter: bytes, steps: int) -> ProgressAnchor:
+    """The steps committed that the job's submitter signed in its progress record (None: no record):
+    what a stage that lost steps may take up (`swarmd.stage.resume`). Read through the node's short
+    cache (`get_cache_max_s`) rather than looked up afresh at every look: the record changes only
+    at its submitter's join pace (`jobs.join_interval_s`)."""
+    async def anchored() -> int | None:
+        progress = await values.progress(job_id, submitter, steps, latest=False)
+        return None if progress is None else progress.step
+
+    return anchored
 
 
 def job_limits(limits: StageLimits, spec: Any) -> StageLimits:

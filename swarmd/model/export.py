@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from swarmd.errors import SwarmdError
 from swarmd.model.composed import ComposedModel
 from swarmd.model.config import ConfigError, table_to_dict
 from swarmd.model.registry import architecture_of, build_stage, get_architecture, UnknownArchitecture
@@ -36,8 +37,9 @@ CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 1 << 20
 
 
-class ExportError(Exception):
-    """An export or init file is missing, malformed, or does not hold the bits it claims."""
+class ExportError(SwarmdError):
+    """An export or init file is missing, malformed, or does not hold the bits it claims, or a live
+    peer's state does not match the model: our file or their answer, so it sits under the root."""
 
 
 def stage_prefix(stage_index: int) -> str:

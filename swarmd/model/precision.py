@@ -31,6 +31,8 @@ from typing import Any, ContextManager, Literal
 
 import torch
 
+from swarmd.errors import LocalError
+
 Dtype = Literal["fp32", "bf16", "fp16"]
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # torch's GradScaler defaults: a scale where fp16 gradients start well above underflow, doubled
@@ -41,8 +43,9 @@ MIN_SCALE = 1.0  # below 1 scaling only shrinks gradients: an overflow at S = 1 
 MAX_SCALE = 2.0 ** 24  # a scaled fp32 loss past this loses fp16's whole range for no gain
 
 
-class PrecisionError(ValueError):
-    """This dtype cannot run on this device."""
+class PrecisionError(LocalError):
+    """This dtype cannot run on this device: the job's `[compute] dtype` or the daemon's device is
+    what to change."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transport.errors import RpcError
 
-from swarmd.errors import SwarmdError
+from swarmd.errors import LocalError, SwarmdError
 
 BUSY = "busy"
 BAD_INPUT = "bad_input"
@@ -39,6 +39,11 @@ def not_ready(message: str) -> RpcError:
 
 def protocol_mismatch(message: str) -> RpcError:
     return RpcError(PROTOCOL_MISMATCH, message)
+
+
+class AlreadyServed(LocalError):
+    """This daemon already serves that stage of that job: a second service would answer the same
+    calls from a second copy of the parameters."""
 
 
 class StaleStep(SwarmdError):

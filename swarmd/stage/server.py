@@ -13,7 +13,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
-from swarmd.stage.errors import bad_input, not_serving
+from swarmd.stage.errors import AlreadyServed, bad_input, not_serving
 from transport.rpc import Message, Request, Router
 
 
@@ -76,7 +76,7 @@ class StageServer:
     def add(self, service: ServedStage) -> None:
         key = (service.job_id, service.stage_index)
         if key in self._services:
-            raise ValueError(f"stage {service.stage_index} of this job is already served here")
+            raise AlreadyServed(f"stage {service.stage_index} of this job is already served here")
         self._services[key] = service
 
     def remove(self, service: ServedStage) -> None:

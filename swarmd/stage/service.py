@@ -38,6 +38,7 @@ from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
 from swarmd.stage.executor import Executor, QueueFull, join_threads
 from swarmd.stage.limits import Slots, StageLimits
+from swarmd.stage.resume import ProgressAnchor, proven_step
 from swarmd.stage.robust import CENTERED_CLIP
 from swarmd.stage.server import StageServer
 from swarmd.stage.state import (Snapshot, StateError, apply_snapshot, content_digest, download, snapshot_messages,
@@ -92,8 +93,13 @@ class StageService:
     def __init__(self, spec: JobSpec, job_id: bytes, stage_index: int, peer_id: bytes,
                  server: StageServer | Router, pool: Pool, directory: StageDirectory, *, address: str,
                  device: str | torch.device = "cpu", limits: StageLimits = StageLimits(),
-                 state_dir: str | Path | None = None, supervisor: Supervisor | None = None) -> None:
+                 state_dir: str | Path | None = None, supervisor: Supervisor | None = None,
+                 anchor: ProgressAnchor | None = None) -> None:
         self.spec, self.job_id, self.stage_index, self.peer_id = spec, job_id, stage_index, peer_id
+        # The job's submitter's signed step (`swarmd.stage.resume`): the only evidence this peer
+        # takes up a step it lost on. None (no submitter known here): it never skips a step.
+        self.anchor = anchor
+        self._unproven_logged = (-1, -math.inf)  # (step, loop time) a look last logged refusing to take up
         # The stage's loops restart on an unexpected error (logged, shown in `swarmctl status`)
         # rather than die silently while the stage stays announced.
         self.supervisor = supervisor or Supervisor(f"stage {stage_index}")
@@ -543,10 +549,12 @@ class StageService:
 
         Each look must find no stage-mate ahead nor silent (a mate ahead must be downloaded from,
         which the sync loop does: the everyday case of a peer that commits a moment after its
-        mates, which must never skip), and a peer of another stage at `target` (so one confused
-        trainer cannot push a stage forward on its word alone); the core allows the jump once every
-        look for `resume_after_s` agreed. `Look.TAKEN` when this peer now accepts work for `target`,
-        `Look.PENDING` while its looks agree but not yet for that long.
+        mates, which must never skip), the job's submitter's signed progress at `target` or past it,
+        and a peer of another stage answering that too (`swarmd.stage.resume.proven_step`: neither
+        a trainer's call nor another stage's answer is evidence alone, anyone can send them,
+        adversary R3); the core allows the jump once every look for `resume_after_s` agreed.
+        `Look.TAKEN` when this peer now accepts work for `target`, `Look.PENDING` while its looks
+        agree but not yet for that long.
         """
         async with self._resume_lock:
             if self.committed >= target:
@@ -582,14 +590,32 @@ class StageService:
             await self.sync.poll()
             if self.core.mate_ahead() or self.core.mate_slow():
                 return False  # a mate holds (or may hold) newer state: the sync loop downloads it
-            evidence = await self._other_stages_step() if self.spec.pipeline.stages > 1 else target
+            anchored = await self.anchor() if self.anchor is not None else None
+            if anchored is None or anchored < target:
+                # Nothing proves more than the submitter's record: no other stage need be asked (a
+                # stranger's calls for far steps cost one record read, not a call to every peer).
+                self._unproven(target, anchored)
+                return False
+            answered = await self._other_stages_steps() if self.spec.pipeline.stages > 1 else None
         except Exception as exc:  # noqa: BLE001
             log.debug("stage %d: cannot check whether the swarm is ahead: %s", self.stage_index, exc)
             return False
-        return evidence >= target and self.committed < target
+        return proven_step(anchored, answered) >= target and self.committed < target
 
-    async def _other_stages_step(self) -> int:
-        """The most steps any live peer of another stage of the job has committed (-1: none answers)."""
+    def _unproven(self, target: int, anchored: int | None) -> None:
+        """Say once per step why a call for it does not move this peer: a stage that waits here for
+        good (its submitter publishes no progress) must show why in the log. At most one line per
+        `resume_after_s`, whatever steps strangers call for."""
+        now = asyncio.get_running_loop().time()
+        last_target, last_at = self._unproven_logged
+        if target != last_target and now - last_at >= self.limits.resume_after_s:
+            self._unproven_logged = (target, now)
+            signed = "publishes no progress" if anchored is None else f"signed {anchored} steps committed"
+            log.info("stage %d at step %d: asked for step %d, but the job's submitter %s; not taking it up "
+                     "(docs/security.md, R3)", self.stage_index, self.committed, target, signed)
+
+    async def _other_stages_steps(self) -> list[int]:
+        """The steps the live peers of the job's other stages answer (-1: a peer that did not)."""
         addrs = []
         for stage in range(self.spec.pipeline.stages):
             if stage != self.stage_index:
@@ -605,7 +631,7 @@ class StageService:
             step = reply.meta.get("step")
             return step if type(step) is int else -1
 
-        return max(await asyncio.gather(*(step_of(stage, addr) for stage, addr in addrs)), default=-1)
+        return list(await asyncio.gather(*(step_of(stage, addr) for stage, addr in addrs)))
 
     def _notify_commit(self) -> None:
         self.sync.mailbox.retire(self.committed - 1)  # rounds of steps behind us can never finish

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from swarmd.directory import StageDirectory
+from swarmd.errors import PeerError
 from swarmd.stage.accumulator import Accumulator
 from swarmd.stage.allreduce import Contribution, Mailbox, RoundBox, choose_owners, phase_deadlines
 from swarmd.stage.core import (DIGEST_BYTES, Download, Lead, MateView, Phase, RoundPlan, StageCore, every_member,
@@ -585,8 +586,9 @@ def _piece_elements(limits: StageLimits) -> int:
     return max(1, limits.allreduce_chunk_bytes // 4)
 
 
-class ProtocolMismatch(ValueError):
-    """A mate's progress shows a round protocol other than this peer's."""
+class ProtocolMismatch(PeerError, ValueError):
+    """A mate's progress shows a round protocol other than this peer's (a ValueError like the
+    other malformed progress replies `poll` sets aside)."""
 
     def __init__(self, peer_id: bytes, addr: str, protocol: Any) -> None:
         super().__init__(f"mate {peer_id.hex()[:8]} at {addr} speaks round protocol {protocol!r}, "

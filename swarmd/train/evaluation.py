@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarmd.directory import StagePeer
+from swarmd.errors import SwarmdError
 from swarmd.job.data import EvalBatch, TrainingData
 from swarmd.job.spec import JobSpec
 from swarmd.model import TensorSpec
@@ -84,7 +85,7 @@ class EvalResult:
     why: str = ""  # why it was given up
 
 
-class GiveUp(Exception):
+class GiveUp(SwarmdError):
     """This evaluation cannot complete (a stage moved past its version, or a call failed too often)."""
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from swarmd.directory import StageDirectory, StagePeer
+from swarmd.errors import SwarmdError
 from swarmd.job.data import Microbatch, TrainingData
 from swarmd.job.spec import JobSpec
 from swarmd.train import progress
@@ -163,7 +164,7 @@ class _Done:
     taken_over: bool = False
 
 
-class _Stale(Exception):
+class _Stale(SwarmdError):
     """A peer answered stale_step: the stage already committed the step of this call."""
 
 

@@ -460,7 +460,7 @@ class _InstantDHT:
 
 
 class _InstantServing:
-    async def serve(self, spec, job_id: bytes, stage: int) -> None:
+    async def serve(self, spec, job_id: bytes, stage: int, *, submitter: bytes) -> None:
         if not 0 <= stage < spec.pipeline.stages:
             raise InvariantBroken(f"job.serve passed stage {stage} of a {spec.pipeline.stages}-stage job")
 

@@ -22,7 +22,7 @@ from swarmd.model.precision import PrecisionError
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.stage.limits import StageLimits
 
-JOB, ME = b"j" * 32, b"m" * 32
+JOB, ME, SUBMITTER = b"j" * 32, b"m" * 32, b"s" * 32
 SPEC = JobSpec.from_dict({"name": "moves", "steps": 1, "model": {"arch": "transformer-lm", "d_model": 8, "n_heads": 2},
                           "data": {"tokens": "t.bin", "seq_len": 4}, "pipeline": {"stages": 3},
                           "batch": {"global_samples": 2, "microbatch_samples": 1}})  # serve() estimates its memory
@@ -37,6 +37,7 @@ class GatedService:
 
     def __init__(self, spec, job_id, stage, *args, **kwargs) -> None:
         self.spec, self.stage, self.state, self.committed = spec, stage, "joining", 0
+        self.anchor = kwargs.get("anchor")  # what a move hands from the stage it leaves to the one it joins
         self.limits, self.executor = QUICK, SimpleNamespace(samples_per_s=1.0, depth=0)
         self.sync = SimpleNamespace(in_round=False)
         GatedService.built.append(self)
@@ -94,7 +95,7 @@ def built_for(stage: int) -> int:
 
 async def test_a_move_during_a_join_is_skipped_and_leaves_everything_as_it_was(serving) -> None:
     gate = GatedService.gates[2] = asyncio.Event()
-    join = asyncio.create_task(serving.serve(SPEC, JOB, 2))
+    join = asyncio.create_task(serving.serve(SPEC, JOB, 2, submitter=SUBMITTER))
     await until(lambda: built_for(2) == 1)  # the join is starting its service
     old = serving.served[(JOB, 0)].service
     with pytest.raises(MoveFailed, match="a join or leave is under way"):
@@ -111,7 +112,7 @@ async def test_a_join_during_a_move_waits_and_finds_the_moved_in_stage(serving) 
     gate = GatedService.gates[2] = asyncio.Event()
     move = asyncio.create_task(serving.move(JOB, 0, 2, drain_timeout_s=2.0))
     await until(lambda: built_for(2) == 1)  # drained, now joining stage 2
-    join = asyncio.create_task(serving.serve(SPEC, JOB, 2))
+    join = asyncio.create_task(serving.serve(SPEC, JOB, 2, submitter=SUBMITTER))
     await asyncio.sleep(0.1)
     assert not join.done() and built_for(2) == 1  # waiting for the move, not starting a second service
     gate.set()

@@ -61,7 +61,7 @@ class Serving:
         self.served: dict = {}
         self.tries = 0
 
-    async def serve(self, job_spec, job_id: bytes, stage: int) -> None:
+    async def serve(self, job_spec, job_id: bytes, stage: int, *, submitter: bytes) -> None:
         self.tries += 1
         raise Busy(f"stage {stage}: needs 9 GiB, over jobs.max_stage_memory (1 GiB)")
 
@@ -91,7 +91,7 @@ async def test_the_tries_go_round_every_job(monkeypatch):
                       rejoin_wait_s=60.0, settle_s=0.0)
     tried: list[bytes] = []
 
-    async def serve(job_spec, job_id, stage):
+    async def serve(job_spec, job_id, stage, *, submitter):
         tried.append(job_id)
         raise Busy("too big")
 

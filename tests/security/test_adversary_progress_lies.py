@@ -4,10 +4,13 @@ on it ("catch-up poisoning" and its relatives), and a stranger that takes the wa
 - R2 (closed in swarmd/stage/core.py): a lone mate claiming a far higher step was downloaded from
   at once, even while another mate at this peer's step agreed with it and no trainer ever asked for
   a later step: the liar's state replaced the honest one.
-- R3 (trainer side closed; stage side open, swarmd/stage/service.py `_resume_at`): one
-  peer's `stage.info` step is believed over its mates': the trainer counts the stage committed and
-  stops re-sending; one answer from another stage is the only evidence a lone stage peer needs to
-  jump ahead, losing every step between (a stranger sends the call for the far step itself).
+- R3: one peer's `stage.info` step is believed over its mates': the trainer counts the stage
+  committed and stops re-sending; one answer from another stage is the only evidence a lone stage
+  peer needs to jump ahead, losing every step between (a stranger sends the call for the far step
+  itself). Stage side closed (swarmd/stage/resume.py, `StageService._resume_at`): a stage takes up
+  a step it lost only when its job's submitter signed at least that many steps committed in its
+  progress record, and a peer of another stage answers as much; a peer that knows no such record
+  (here: none) never skips.
 - R7 (race, swarmd/train/progress.py `uncovered_everywhere`): what is uncovered is the intersection
   of every answering peer's report, so one peer answering `uncovered: []` hides every lost
   microbatch from the re-sends and the takeover.
@@ -35,9 +38,6 @@ from swarmd.train import progress
 from transport.errors import RemoteError, TransportError
 from transport.identity import Identity
 from transport.rpc import Message, Router, RpcConfig, RpcServer
-
-R3 = ("adversary R3, stage side, open (docs/security.md, Adversary findings): one answering peer of another "
-      "stage is all the evidence a lone stage peer needs to skip ahead")
 
 D0 = initial_digest(5, 1)
 
@@ -91,7 +91,6 @@ async def lone_peer():
         await peer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=R3)
 async def test_one_stranger_cannot_fast_forward_a_stage(lone_peer):
     """The only peer of stage 1 is at step 0. A stranger announces a stage-0 peer answering
     `stage.info` with step 15 and sends stage 1 a backward call for step 15. Expected: the peer

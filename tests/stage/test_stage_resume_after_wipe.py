@@ -1,5 +1,6 @@
 """A stage whose every peer died comes back from an older checkpoint than the swarm's step: it takes
-up the step the rest of the swarm committed (when another stage's live peer shows it), and only then."""
+up the step the rest of the swarm committed when the job's submitter signed it in its progress
+record and another stage's live peer shows it, and only then (swarmd/stage/resume.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def inputs(step, m):
     return torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g)
 
 
+class SubmitterRecord:
+    """The steps committed that the job's submitter signed in its progress record, as a stage's
+    anchor reads them (None: no record); a test moves it as the submitter's trainers would."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    async def __call__(self) -> int | None:
+        return self.step
+
+
 def plant_checkpoint(spec, tmp_path, kit, stage, step):
     """A checkpoint of `stage` at `step` (seeded parameters), as a peer that got that far writes."""
     module = build_stage(spec.model.config, stage, spec.pipeline.stages, spec.seed, torch.device("cpu"))
@@ -47,7 +59,7 @@ async def test_a_restored_stage_takes_up_the_step_another_stage_committed(kit, c
     kept = plant_checkpoint(spec, wiped_dir, kit, STAGE, 2)
     directory = StaticDirectory()
     witness = await kit.start_peer(spec, 0, 1, directory, state_dir=witness_dir)
-    restored = await kit.start_peer(spec, STAGE, 2, directory, state_dir=wiped_dir)
+    restored = await kit.start_peer(spec, STAGE, 2, directory, state_dir=wiped_dir, anchor=SubmitterRecord(4))
     try:
         assert witness.service.committed == 4 and restored.service.committed == 2
         for name, p in restored.service.stage.state_dict().items():
@@ -65,6 +77,36 @@ async def test_a_restored_stage_takes_up_the_step_another_stage_committed(kit, c
             await kit.call(client, restored, "stage.backward", STAGE, 7, 28, list(inputs(7, 0)), timeout=3.0)
         assert refused.value.code == "not_ready"
         assert restored.service.committed == 5 and list(restored.service.skipped) == [(2, 4)]
+    finally:
+        await restored.close()
+        await witness.close()
+
+
+async def test_a_restored_stage_takes_up_no_step_its_submitter_has_not_signed(kit, client, tmp_path):
+    """Steps: stage 0's peer at step 4, stage 1's restored at 2 (as above); the submitter's record
+    is first absent, then signs 3 steps (published before the last commit); a backward for step 4
+    reaches stage 1 each time; then the record signs 4 and the call is sent again.
+    Expected: while the record is absent or below 4 the call is refused not_ready at once and
+    nothing is skipped, though stage 0 answers step 4 (one answer is anyone's word); once it signs
+    4 the call is accepted and [2, 4] is skipped."""
+    spec = kit.make_spec(stages=3, every=2)
+    witness_dir, wiped_dir = tmp_path / "witness", tmp_path / "wiped"
+    plant_checkpoint(spec, witness_dir, kit, 0, 4)
+    plant_checkpoint(spec, wiped_dir, kit, STAGE, 2)
+    directory, record = StaticDirectory(), SubmitterRecord(None)
+    witness = await kit.start_peer(spec, 0, 1, directory, state_dir=witness_dir)
+    restored = await kit.start_peer(spec, STAGE, 2, directory, state_dir=wiped_dir, anchor=record)
+    try:
+        for signed in (None, 3):
+            record.step = signed
+            with pytest.raises(RemoteError) as refused:
+                await kit.call(client, restored, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)), timeout=3.0)
+            assert refused.value.code == "not_ready", signed
+            assert restored.service.committed == 2 and not restored.service.skipped, signed
+        record.step = 4
+        reply = await kit.call(client, restored, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)), timeout=10.0)
+        assert reply.meta["added"] is True
+        assert restored.service.committed == 4 and list(restored.service.skipped) == [(2, 4)]
     finally:
         await restored.close()
         await witness.close()
@@ -110,7 +152,7 @@ async def test_a_survivor_holding_gradients_of_a_lost_step_takes_up_the_swarms_s
     plant_checkpoint(spec, wiped_dir, kit, STAGE, 2)
     directory = StaticDirectory()
     witness = await kit.start_peer(spec, 0, 1, directory, state_dir=witness_dir)
-    restored = await kit.start_peer(spec, STAGE, 2, directory, state_dir=wiped_dir)
+    restored = await kit.start_peer(spec, STAGE, 2, directory, state_dir=wiped_dir, anchor=SubmitterRecord(4))
     try:
         await kit.call(client, restored, "stage.backward", STAGE, 2, 8, list(inputs(2, 0)))
         reply = await kit.call(client, restored, "stage.backward", STAGE, 4, 16, list(inputs(4, 0)), timeout=5.0)
