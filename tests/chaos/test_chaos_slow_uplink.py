@@ -22,10 +22,10 @@ pytestmark = MARKS
 
 STEPS = 30
 FAST_MBIT = 200
-#: The slow mate's uplink: its stage's gradient (d_model 128: about 0.9 MB of fp32) takes ~2 s to
+#: The slow mate's uplink: its stage's gradient (d_model 64: about 0.25 MB of fp32) takes ~0.5 s to
 #: leave, against a few ms the other way; its measured send rate is far below its mate's.
 SLOW_MBIT = 4
-D_MODEL = 128
+D_MODEL = 64
 
 
 @pytest.mark.slow
