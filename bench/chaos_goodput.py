@@ -31,6 +31,9 @@ to `--json`), with a bar chart in `--png`:
 `exact`: every step committed in the window summed each microbatch once on every stage (its stage
 records hold exactly `global_samples`, no microbatch summed twice) and no answer was committed past
 (`answers_lost` 0); records a stage had not published when the trainer asked are counted apart.
+It counts samples and duplicates, not bits: the job's stages all-reduce at the default codec, fp16
+(`[wire] allreduce`, docs/stage-rpc.md "The codec"), so the parameters are within fp16's rounding
+of an fp32 run's, which this bench does not compare.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ measured three ways, and ONE JSON object is printed:
   transport; the bytes are read from the kernel (`TCP_INFO` bytes_acked + bytes_received on the
   trainer's sockets, the hello excluded): every byte the trainer's links carry, frames, headers and
   `stage.info` polls included, not TCP/IP headers. Stage-mates' all-reduce traffic (its own codec,
-  `allreduce_codec`) is not in it: one peer per stage has no mates.
+  the job's `[wire] allreduce`, fp16 by default) is not in it: one peer per stage has no mates.
 - control traffic (`control_traffic`, issue 14): 2, 4 and 8 in-process stage peers of one stage on
   loopback (default sync limits) waiting for work, `--control-seconds` each; the mean bytes/s per
   peer their links to each other carry (progress polls and answers: everything but activations,

@@ -13,7 +13,8 @@ joining (`jobs.serve = "all"`) and rebalancing on, liveness and discovery at the
    their own. After `--warmup-steps` commits, `--churn` seconds in which every `--kill-every`
    seconds a random daemon other than the trainers' is SIGKILLed and restarted (same identity and
    port). Reported: the median step time in the window, whether every committed step was exact
-   (every stage summed exactly the global batch, no duplicates), and each daemon's RSS.
+   (every stage summed exactly the global batch, no duplicates: samples, not bits; the stages
+   all-reduce at the default codec, fp16), and each daemon's RSS.
 
 `control_growth` is the median per-daemon idle control bytes/s at the largest N over that at the
 smallest. Both windows also put bytes on methods: each daemon's `swarmd_rpc_served_bytes_total`

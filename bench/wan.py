@@ -13,7 +13,8 @@ Gathers three measurements into one JSON object (needs root for the first two):
   before each other RTT, so it appears once per RTT).
 - scale: bench/swarm_scale.py's rows, per-daemon control bytes/s, RSS and step time at each size,
   the growth of control traffic from the smallest to the largest size, and whether every step of
-  the churned job was exact. `control_growth_8_to_32` is null when 32 daemons were not run (the
+  the churned job was exact (samples and duplicates counted, not bits: the stage all-reduce runs at
+  its default codec, fp16). `control_growth_8_to_32` is null when 32 daemons were not run (the
   growth that was measured is then given under its own sizes).
 
     {"emulator": {"rtt_error_max", "max_rate_mbps", ...}, "latency": [{"rtt_ms", "in_flight",

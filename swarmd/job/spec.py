@@ -91,6 +91,9 @@ MAX_EVAL_SHARE = 1
 
 
 Codec = Literal["none", "fp16", "lz4", "fp16+lz4", "int8"]
+# The stage all-reduce's codecs (swarmd.stage.packing.ALLREDUCE_CODECS): no int8, whose rounding of
+# a sum without error feedback biases every step.
+AllreduceCodec = Literal["none", "lz4", "fp16", "fp16+lz4"]
 # How each stage's all-reduce combines its members' gradients (swarmd/stage/robust.py); the names
 # are swarmd.stage.robust.AGGREGATES.
 Aggregate = Literal["mean", "centered_clip"]
@@ -185,10 +188,15 @@ class OptimSpec:
 
 @dataclass(frozen=True)
 class WireSpec:
-    """Codecs for the activations (forward) and gradients (backward) that cross the network."""
+    """Codecs for the activations (forward) and gradients (backward) that cross the network, and
+    for the gradient sums stage-mates all-reduce. `allreduce` is the job's choice, not a daemon's:
+    the numbers every stage steps on depend on it (fp16: within 2^-11 of the exact sum; "none":
+    bit-for-bit the single-process fp32 reference), and every member of a round steps alike
+    either way (swarmd/stage/packing.py)."""
 
     activations: Codec = "fp16+lz4"
     gradients: Codec = "fp16+lz4"
+    allreduce: AllreduceCodec = "fp16"
 
 
 @dataclass(frozen=True)
@@ -322,6 +330,8 @@ class JobSpec:
         out = table_to_dict({name: getattr(self, name) for name in ("name", "seed", "steps", *_SECTIONS)})
         if self.data.token_dtype == "uint16":
             del out["data"]["token_dtype"]  # nanoGPT's width, left out as [compute] is: ids unchanged
+        if self.wire.allreduce == WireSpec.allreduce:
+            del out["wire"]["allreduce"]  # likewise: a job that keeps the default keeps its id
         if self.compute != ComputeSpec():
             # Only when set: a default job's canonical form (and id) stays what daemons that
             # predate [compute] publish and accept.

@@ -227,12 +227,14 @@ def submitter_progress(values: DHTValues, job_id: bytes, submitter: bytes, steps
 
 def job_limits(limits: StageLimits, spec: Any) -> StageLimits:
     """The daemon's stage limits with the job's all-reduce aggregate (`[optim] aggregate`, `clip_tau`,
-    `clip_iterations`, `outlier_factor`). Every member of a round must combine its parts alike, or
-    their verdicts on the same peer differ; the spec, hashed into the job id, is what they share,
-    so a daemon's own setting of these fields never reaches a job's stage."""
+    `clip_iterations`, `outlier_factor`) and codec (`[wire] allreduce`). Every member of a round must
+    combine its parts alike, or their verdicts on the same peer differ, and the codec decides how
+    close the job's steps are to exact; the spec, hashed into the job id, is what they share, so a
+    daemon's own setting of these fields never reaches a job's stage."""
     optim = spec.optim
     return dataclasses.replace(limits, aggregate=optim.aggregate, clip_tau=optim.clip_tau,
-                               clip_iterations=optim.clip_iterations, outlier_factor=optim.outlier_factor)
+                               clip_iterations=optim.clip_iterations, outlier_factor=optim.outlier_factor,
+                               allreduce_codec=spec.wire.allreduce)
 
 
 async def final_checkpoint(service: StageService) -> Path | None:

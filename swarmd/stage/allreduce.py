@@ -41,8 +41,9 @@ import torch
 from swarmd.stage.errors import RoundFailed, busy, bad_input
 
 
-#: Bytes per gradient element on the wire, by all-reduce codec (lz4's gain is not counted on).
-WIRE_BYTES = {"none": 4, "lz4": 4, "fp16": 2, "fp16+lz4": 2, "int8": 1}
+#: Bytes per gradient element on the wire, by all-reduce codec (lz4's gain is not counted on; a
+#: piece holding inf or nan travels in fp32 even under fp16, a step that is skipped anyway).
+WIRE_BYTES = {"none": 4, "lz4": 4, "fp16": 2, "fp16+lz4": 2}
 
 
 def choose_owners(rates: Sequence[float], suspects: Sequence[bool], min_rate_fraction: float) -> tuple[bool, ...]:
@@ -66,7 +67,7 @@ def phase_deadlines(numel: int, codec: str, owners: Sequence[bool], rates: Seque
 
     In the reduce-scatter member i sends every owner j != i its copy of shard j (the vector less
     its own shard); in the all-gather owner i sends its shard to the P-1 others."""
-    width = WIRE_BYTES.get(codec, 4)
+    width = WIRE_BYTES[codec]
     bounds = shard_bounds(numel, owners)
     sizes = [hi - lo for lo, hi in bounds]
     members = len(owners)

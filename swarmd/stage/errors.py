@@ -3,6 +3,8 @@
 They travel as `transport.errors.RpcError(code, message)` and arrive as `RemoteError.code`:
 `busy` reroute without ban, `bad_input` the input is at fault, `not_serving` ban until
 re-announced, `stale_step` re-check the stage's step, `not_ready` retry after the stage commits.
+Between stage-mates only: `protocol_mismatch`, a round RPC of another round protocol version
+(sync.ROUND_PROTOCOL): such a mate is no round member.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ BAD_INPUT = "bad_input"
 NOT_SERVING = "not_serving"
 STALE_STEP = "stale_step"
 NOT_READY = "not_ready"
+PROTOCOL_MISMATCH = "protocol_mismatch"
 
 
 def busy(message: str) -> RpcError:
@@ -32,6 +35,10 @@ def not_serving(message: str) -> RpcError:
 
 def not_ready(message: str) -> RpcError:
     return RpcError(NOT_READY, message)
+
+
+def protocol_mismatch(message: str) -> RpcError:
+    return RpcError(PROTOCOL_MISMATCH, message)
 
 
 class AlreadyServed(LocalError):

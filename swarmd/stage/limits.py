@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from swarmd.stage.errors import busy
+from swarmd.stage.packing import ALLREDUCE_CODECS
 from swarmd.stage.robust import AGGREGATES
-from transport.codecs import CODECS
 
 MiB = 1024 * 1024
 
@@ -107,8 +107,13 @@ class StageLimits:
     # Largest tensor payload of one all-reduce message: bounded messages keep a slow link fair to
     # activations travelling on the same connection, and bound what an unknown round can make us hold.
     allreduce_chunk_bytes: int = 4 * MiB
-    # Codec of gradient parts between stage-mates; "none" keeps peers bit-identical to the reference.
-    allreduce_codec: str = "none"
+    # Codec of gradient parts between stage-mates (`packing.ALLREDUCE_CODECS`). fp16 (each piece
+    # scaled by a power of two, so nothing overflows) halves the bytes every member sends, the
+    # all-reduce's whole cost on a slow link; every member still steps on one bit-identical averaged
+    # gradient (I2), within fp16's rounding (2^-11 relative) of the exact sum. "none" keeps fp32:
+    # steps bit-for-bit those of the single-process reference. A daemon's stage takes the job's
+    # choice (`[wire] allreduce`, swarmd.jobs.serving.job_limits).
+    allreduce_codec: str = "fp16"
     # How the reducer of each shard combines its mates' parts: "mean" (exact: every peer steps on
     # the plain sum, what the equivalence tests rely on) or "centered_clip" (robust: a mate's pull
     # is bounded, see swarmd/stage/robust.py for the formula).
@@ -160,8 +165,8 @@ class StageLimits:
                 if value not in AGGREGATES:
                     raise ValueError(f"StageLimits.aggregate must be one of {AGGREGATES}, got {value!r}")
             elif field.name == "allreduce_codec":
-                if value not in CODECS:
-                    raise ValueError(f"StageLimits.allreduce_codec must be one of {CODECS}, got {value!r}")
+                if value not in ALLREDUCE_CODECS:
+                    raise ValueError(f"StageLimits.allreduce_codec must be one of {ALLREDUCE_CODECS}, got {value!r}")
             elif field.name == "replay_previous":
                 if not isinstance(value, bool):
                     raise ValueError(f"StageLimits.replay_previous must be a bool, got {value!r}")

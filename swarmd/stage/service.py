@@ -43,7 +43,7 @@ from swarmd.stage.robust import CENTERED_CLIP
 from swarmd.stage.server import StageServer
 from swarmd.stage.state import (Snapshot, StateError, apply_snapshot, content_digest, download, snapshot_messages,
                                 take_snapshot)
-from swarmd.stage.sync import StageSync
+from swarmd.stage.sync import ROUND_PROTOCOL, StageSync
 from swarmd.supervisor import Supervisor
 from transport.errors import RpcError, TransportError
 from transport.rpc import Message, Pool, Request, Router
@@ -651,6 +651,7 @@ class StageService:
             "dropped_repeats": self.core.repeats(self.committed),
             "last_step": last, "round_failure": self.sync.last_failure,
             "skipped": [list(jump) for jump in self.skipped],
+            "round_protocol": ROUND_PROTOCOL, "allreduce_codec": self.limits.allreduce_codec,
         }, codec="none")
 
     async def wait_commit(self, req: Request) -> Message:

@@ -19,21 +19,22 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
 import torch
 
 from swarmd.directory import StageDirectory
+from swarmd.errors import PeerError
 from swarmd.stage.accumulator import Accumulator
-from swarmd.stage.allreduce import WIRE_BYTES, Contribution, Mailbox, RoundBox, choose_owners, phase_deadlines
+from swarmd.stage.allreduce import Contribution, Mailbox, RoundBox, choose_owners, phase_deadlines
 from swarmd.stage.core import (DIGEST_BYTES, Download, Lead, MateView, Phase, RoundPlan, StageCore, every_member,
                                plan_round)
-from swarmd.stage.errors import RoundFailed, bad_input, busy
+from swarmd.stage.errors import RoundFailed, bad_input, busy, protocol_mismatch
 from swarmd.stage.idsets import decode_ranges, encode_ranges
 from swarmd.stage.limits import StageLimits
+from swarmd.stage.packing import Piece, message_codec, pack, round_trip, unpack
 from swarmd.stage.robust import CENTERED_CLIP, centered_clip
-from transport.codecs import decode_tensor, encode_tensor
 from transport.errors import DeadlineExceeded, RpcError, TransportError
 from transport.rpc import Message, Pool, Request
 
@@ -41,6 +42,14 @@ log = logging.getLogger(__name__)
 
 RATE_EMA = 0.3  # weight of the newest part in the send-rate estimate: a few rounds to settle
 MIN_MEASURED_BYTES = 64 * 1024  # smaller parts measure latency, not the link's rate
+#: The round RPCs' wire format (invitation, parts, aborts), shown with a peer's progress and
+#: carried by its invitations and parts. A peer refuses a round of another version
+#: (`protocol_mismatch`) and leaves mates of another version out of its rounds: peers whose rounds
+#: cannot interoperate fail clearly instead of obscurely. A peer that shows none predates the
+#: versioning: version 1. Version 2: owners in invitations and parts, plans (`kept`) in gathers,
+#: `member`/`leaving`/`left_out` in aborts, fp16 pieces scaled by a power of two (`exp`).
+ROUND_PROTOCOL = 2
+UNVERSIONED = 1
 
 
 class StageHost(Protocol):
@@ -82,6 +91,7 @@ class StageSync:
         self.last_failure: str | None = None
         self.rate = 0.0  # EMA of this peer's all-reduce send rate, bytes/s (shown to mates)
         self._authenticated = host.pool.config.identity is not None
+        self._mismatched: set[bytes] = set()  # announced mates of another round protocol (warned once)
 
     @property
     def in_round(self) -> bool:
@@ -125,11 +135,19 @@ class StageSync:
             mates = [p for p in announced if p.peer_id in chosen]
         results = await asyncio.gather(*(self._progress(p.peer_id, p.addr) for p in mates), return_exceptions=True)
         views, slow = [], []
+        self._mismatched &= {p.peer_id for p in announced}
         for mate, result in zip(mates, results):
             if isinstance(result, MateView):
                 views.append(result)
+                self._mismatched.discard(mate.peer_id)
             elif isinstance(result, DeadlineExceeded):
                 slow.append(mate.peer_id)  # alive but slow, maybe: the core shields what it held
+            elif isinstance(result, ProtocolMismatch):
+                # Never a round member: treated as a mate that refused the poll (what it holds
+                # is lost to this peer's rounds, and re-sent). Said once while it stays announced.
+                if mate.peer_id not in self._mismatched:
+                    self._mismatched.add(mate.peer_id)
+                    log.warning("stage %d: %s; it is left out of this peer's rounds", self.host.stage_index, result)
             elif not isinstance(result, (TransportError, RpcError, TimeoutError, ValueError)):
                 raise result
         self.core.observe(_now(), views, slow, [m.peer_id for m in announced], [m.peer_id for m in mates])
@@ -149,6 +167,9 @@ class StageSync:
         rate = meta.get("rate", 0.0)
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
             raise ValueError(f"bad rate in the progress reply from {addr}")
+        protocol = meta.get("protocol", UNVERSIONED)
+        if protocol != ROUND_PROTOCOL:
+            raise ProtocolMismatch(peer_id, addr, protocol)
         return MateView(peer_id, addr, step, state, digest, ids, claimed, float(rate))
 
     def progress_reply(self) -> Message:
@@ -157,8 +178,8 @@ class StageSync:
         return Message({"peer_id": self.core.peer_id, "step": step, "state": str(self.core.phase),
                         "digest": self.core.digest, "held": encode_ranges(progress.ids),
                         "claimed": encode_ranges(self.core.claimed(step) - progress.ids),
-                        "samples": progress.samples, "in_round": self.in_round, "rate": self.rate},
-                       codec="none")
+                        "samples": progress.samples, "in_round": self.in_round, "rate": self.rate,
+                        "protocol": ROUND_PROTOCOL}, codec="none")
 
     # ----------------------------------------------------------------------------- rounds
 
@@ -171,8 +192,9 @@ class StageSync:
             log.info("stage %d step %d: %d of %d round members own no shard (slow send rate or late lately): %s",
                      self.host.stage_index, lead.step, owners.count(False), len(ids),
                      [p.hex()[:8] for p, owns in zip(ids, owners) if not owns])
-        meta = {**self.host.meta(), "step": lead.step, "round": round_id, "digest": lead.digest,
-                "members": ids, "addrs": [a for _, a in lead.members], "owners": _indices(owners)}
+        meta = {**self.host.meta(), "protocol": ROUND_PROTOCOL, "step": lead.step, "round": round_id,
+                "digest": lead.digest, "members": ids, "addrs": [a for _, a in lead.members],
+                "owners": _indices(owners)}
         others = [(p, a) for p, a in lead.members if p != self.core.peer_id]
         calls = [self.host.pool.call(a, "stage.sync.round", Message(meta, codec="none"),
                                      timeout=self.host.limits.progress_timeout_s) for _, a in others]
@@ -206,6 +228,7 @@ class StageSync:
         connection) may invite, and every member's address is the one this peer polled it at (its
         announcement), never one the invitation names (see `_check_caller` for peers without ids)."""
         meta = req.meta
+        _check_protocol(meta, "round")
         round_id, step, digest = meta.get("round"), meta.get("step"), meta.get("digest")
         members, addrs = meta.get("members"), meta.get("addrs")
         if not (isinstance(round_id, bytes) and type(step) is int and isinstance(digest, bytes)
@@ -259,7 +282,7 @@ class StageSync:
                 async with asyncio.timeout(reduce_s):
                     sending = True
                     await _unless_failed(box, self._send(round_id, step, members, "stage.sync.reduce",
-                                                         lambda j: flat[box.bounds[j][0]:box.bounds[j][1]], head))
+                                                         self._packer(flat, box), head))
                     sending = False
                     await box.wait(box.reduced_ready)
             except TimeoutError:
@@ -285,13 +308,13 @@ class StageSync:
                                   f"sums overlap)")
             box.kept = plan.kept
             # All-gather: every owner's reduced shard, and its plan, until its deadline.
-            reduced, outliers = await host.in_aux(_reduce_shard, box, limits, plan.kept)
+            reduced, pieces, outliers = await host.in_aux(_reduce_shard, box, limits, plan.kept)
             box.put_gather(me, 0, reduced, outliers, plan.kept)
             async with asyncio.timeout(gather_s):
                 if owners[me]:  # a member that owns no shard has nothing to send: nobody waits for it
                     sending = True
                     await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
-                                                         lambda j: reduced,
+                                                         _to_everyone(pieces),
                                                          {"outliers": outliers, "kept": list(plan.kept)}))
                     sending = False
                 await box.wait(box.gathered_ready)
@@ -350,26 +373,37 @@ class StageSync:
             if outcome != "committed":
                 self.core.round_failed(_now(), round_id, ids[0], late)
 
+    def _packer(self, flat: torch.Tensor, box: RoundBox) -> Callable[[int], AsyncIterator[Piece]]:
+        """Member j's copy of its shard, packed for the wire one piece at a time, as it leaves (so
+        no more than a piece per member is held packed), in the auxiliary thread (scaling and
+        rounding are a pass over the piece: not on the event loop)."""
+        limits = self.host.limits
+        per, codec = _piece_elements(limits), limits.allreduce_codec
+
+        async def packed(j: int) -> AsyncIterator[Piece]:
+            lo, hi = box.bounds[j]
+            for offset in range(0, max(hi - lo, 1), per):
+                yield await self.host.in_aux(pack, offset, flat[lo + offset: min(hi, lo + offset + per)], codec)
+
+        return packed
+
     async def _send(self, round_id: bytes, step: int, members: list[tuple[bytes, str]], method: str,
-                    payload, head: dict) -> None:
+                    payload: Callable[[int], AsyncIterator[Piece]], head: dict) -> None:
+        """Send every other member j its part, `payload(j)`'s pieces, one message each in order."""
         me = [p for p, _ in members].index(self.core.peer_id)
         box = self.mailbox.get(round_id)
         owners = box.owners if box is not None else (True,) * len(members)
-        meta = {**self.host.meta(), "round": round_id, "step": step, "members": [p for p, _ in members], "src": me,
-                "owners": _indices(owners)}
-        per = max(1, self.host.limits.allreduce_chunk_bytes // 4)
-
-        codec = self.host.limits.allreduce_codec
+        meta = {**self.host.meta(), "protocol": ROUND_PROTOCOL, "round": round_id, "step": step,
+                "members": [p for p, _ in members], "src": me, "owners": _indices(owners)}
+        codec = message_codec(self.host.limits.allreduce_codec)
 
         async def to(j: int, addr: str) -> None:
-            part = payload(j)
-            for offset in range(0, max(part.numel(), 1), per):
-                extra = head if offset == 0 else {}
-                piece = part[offset: offset + per]
-                message = Message({**meta, **extra, "offset": offset}, [piece], codec=codec)
+            async for piece in payload(j):
+                extra = head if piece.offset == 0 else {}
+                message = Message({**meta, **extra, **piece.meta()}, [piece.tensor], codec=codec)
                 began = time.perf_counter()
                 await self.host.pool.call(addr, method, message, timeout=self.host.limits.round_timeout_s)
-                self._measure(piece.numel() * WIRE_BYTES.get(codec, 4), time.perf_counter() - began)
+                self._measure(piece.wire_bytes, time.perf_counter() - began)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -406,6 +440,7 @@ class StageSync:
 
     def receive(self, req: Request, gather: bool) -> Message:
         meta = req.meta
+        _check_protocol(meta, "all-reduce part")
         round_id, step, members, src, offset = (meta.get(k) for k in ("round", "step", "members", "src", "offset"))
         if not (isinstance(round_id, bytes) and type(step) is int and isinstance(members, list)
                 and len(members) <= self.host.limits.max_round_members
@@ -416,8 +451,8 @@ class StageSync:
         if step != self.core.step:
             raise busy(f"part for step {step}, this peer is at step {self.core.step}")
         owners = _owner_flags(meta.get("owners"), len(members))
+        part = unpack(req.tensors[0], meta.get("exp"))
         box = self.mailbox.box(round_id, step, members, self.core.peer_id, self.host.numel, owners=owners)
-        part = req.tensors[0]
         if gather:
             outliers, kept = (meta.get("outliers", []), meta.get("kept")) if offset == 0 else ([], None)
             if not (isinstance(outliers, list) and all(type(i) is int for i in outliers)):
@@ -513,11 +548,13 @@ async def _unless_failed(box: RoundBox, sending: Coroutine) -> None:
         raise failed.exceptions[0] from None
 
 
-def _reduce_shard(box: RoundBox, limits: StageLimits, kept: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
-    """This member's shard of the step's gradient sum over the kept members, and the members it
-    found outliers. `mean` sums in member order, the same on every peer: the reduced shard is then
-    one well-defined value. With a lossy codec the owner keeps the value its mates will decode, not
-    its exact sum, so every member steps on bit-identical gradients."""
+def _reduce_shard(box: RoundBox, limits: StageLimits,
+                  kept: tuple[int, ...]) -> tuple[torch.Tensor, list[Piece], list[int]]:
+    """This member's shard of the step's gradient sum over the kept members, the pieces that carry
+    it to the others, and the members it found outliers. `mean` sums in member order, the same on
+    every peer: the reduced shard is then one well-defined value. With a lossy codec the owner
+    keeps what its mates will decode (`packing.round_trip`), not its exact sum, so every member
+    steps on bit-identical gradients (I2). A round of one sends nothing and rounds nothing."""
     outliers: list[int] = []
     if limits.aggregate == CENTERED_CLIP:
         robust = centered_clip([box.parts[i] for i in kept], [box.contributions[i].samples for i in kept],
@@ -527,8 +564,39 @@ def _reduce_shard(box: RoundBox, limits: StageLimits, kept: tuple[int, ...]) -> 
         total = box.parts[kept[0]].clone()
         for src in kept[1:]:
             total += box.parts[src]
-    codec = limits.allreduce_codec
-    if codec == "none":
-        return total, outliers
-    meta, buffers = encode_tensor(total, codec)
-    return decode_tensor(meta, [bytes(b) for b in buffers]), outliers
+    if len(box.members) == 1:
+        return total, [], outliers
+    reduced, pieces = round_trip(total, _piece_elements(limits), limits.allreduce_codec)
+    return reduced, pieces, outliers
+
+
+def _to_everyone(pieces: list[Piece]) -> Callable[[int], AsyncIterator[Piece]]:
+    """The all-gather's payload: the owner's packed shard (packed whole: the owner keeps what it
+    unpacks to), the same pieces for every member."""
+    async def same(j: int) -> AsyncIterator[Piece]:
+        for piece in pieces:
+            yield piece
+
+    return same
+
+
+def _piece_elements(limits: StageLimits) -> int:
+    """Elements in one all-reduce message: allreduce_chunk_bytes counted as fp32, whatever the codec
+    (an fp16 piece is then half of it)."""
+    return max(1, limits.allreduce_chunk_bytes // 4)
+
+
+class ProtocolMismatch(PeerError, ValueError):
+    """A mate's progress shows a round protocol other than this peer's (a ValueError like the
+    other malformed progress replies `poll` sets aside)."""
+
+    def __init__(self, peer_id: bytes, addr: str, protocol: Any) -> None:
+        super().__init__(f"mate {peer_id.hex()[:8]} at {addr} speaks round protocol {protocol!r}, "
+                         f"this peer {ROUND_PROTOCOL}")
+
+
+def _check_protocol(meta: dict, what: str) -> None:
+    """Refuse a round RPC of another round protocol (none given: version 1) with its own code."""
+    protocol = meta.get("protocol", UNVERSIONED)
+    if protocol != ROUND_PROTOCOL:
+        raise protocol_mismatch(f"{what} of round protocol {protocol!r}; this peer speaks {ROUND_PROTOCOL}")

@@ -37,7 +37,9 @@ def exact_spec(data: Path) -> dict:
     raw = ch.spec("trainer-killed", STEPS, 2, data)
     raw["optim"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "schedule": "constant", "clip_norm": 0.0}
     raw["batch"] = {"global_samples": GLOBAL, "microbatch_samples": MICRO}
-    raw["wire"] = {"activations": "none", "gradients": "none"}
+    # fp32 everywhere; one peer per stage all-reduces with nobody, but the reference comparison
+    # must not rest on that: the stage all-reduce is fp32 too.
+    raw["wire"] = {"activations": "none", "gradients": "none", "allreduce": "none"}
     raw["pipeline"]["microbatches_in_flight"] = 1
     return raw
 

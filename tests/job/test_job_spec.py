@@ -198,6 +198,25 @@ def test_a_daemons_stage_limits_take_the_jobs_aggregate():
     assert (plain.aggregate, plain.clip_tau) == ("mean", 10.0)
 
 
+def test_the_allreduce_codec_is_the_jobs_choice_and_fp16_keeps_the_id():
+    """Steps: the minimal spec, the same with `[wire] allreduce = "fp16"` written out, one with
+    "none", one with int8; each given to a daemon whose StageLimits say otherwise. Expected: fp16
+    is the default and StageLimits' own, and leaves the canonical form (and so the job id) what it
+    was before the field existed; "none" is carried into the served stage's limits and changes the
+    id; int8 is refused (no error feedback)."""
+    plain = JobSpec.from_dict(minimal())
+    assert plain.wire.allreduce == StageLimits().allreduce_codec == "fp16"
+    assert "allreduce" not in plain.to_dict()["wire"]
+    assert JobSpec.from_dict(with_("wire.allreduce", "fp16")).job_id(b"a" * 32) == plain.job_id(b"a" * 32)
+    exact = JobSpec.from_dict(with_("wire.allreduce", "none"))
+    assert exact.to_dict()["wire"]["allreduce"] == "none" and JobSpec.from_msgpack(exact.to_msgpack()) == exact
+    assert exact.job_id(b"a" * 32) != plain.job_id(b"a" * 32)
+    assert job_limits(StageLimits(allreduce_codec="fp16+lz4"), exact).allreduce_codec == "none"
+    assert job_limits(StageLimits(allreduce_codec="none"), plain).allreduce_codec == "fp16"
+    with pytest.raises(SpecError, match="allreduce"):
+        JobSpec.from_dict(with_("wire.allreduce", "int8"))
+
+
 def test_job_id_depends_on_spec_and_submitter():
     spec = JobSpec.from_dict(minimal())
     alice, bob = b"a" * 32, b"b" * 32

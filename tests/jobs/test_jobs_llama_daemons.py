@@ -1,8 +1,9 @@
 """The `llama` architecture through a real swarm with a kill: exact against its reference.
 
 Two daemons each serve all three stages of a `llama` job (grouped-query attention, two query heads
-per key/value head), codec `none`, plain SGD with momentum. Daemon `b` is SIGKILLed mid-training;
-`a` alone carries every stage to the end. Every step must still sum the whole global batch once
+per key/value head), codec `none` on every wire (the stage all-reduce too: `[wire] allreduce`, whose
+default fp16 would put the stages ~5e-4 off), plain SGD with momentum. Daemon `b` is SIGKILLed
+mid-training; `a` alone carries every stage to the end. Every step must still sum the whole global batch once
 (the chaos tests' check), and the final parameters, from `a`'s final checkpoints, must equal the
 single-process reference's within 1e-5 relative (the equivalence test's bound)."""
 
@@ -27,7 +28,8 @@ GLOBAL, MICRO = 8, 2
 LLAMA = {"model": {"arch": "llama", "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "layers_per_stage": 1},
          "batch": {"global_samples": GLOBAL, "microbatch_samples": MICRO},
          "optim": {"name": "sgd", "momentum": 0.9, "weight_decay": 0.0, "clip_norm": 0.0},
-         "wire": {"activations": "none", "gradients": "none"}, "pipeline": {"stages": 3, "delayed_updates": False},
+         "wire": {"activations": "none", "gradients": "none", "allreduce": "none"},
+         "pipeline": {"stages": 3, "delayed_updates": False},
          "checkpoint": {"every_steps": 0}}
 
 

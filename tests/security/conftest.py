@@ -78,7 +78,9 @@ microbatches_in_flight = 2
 delayed_updates = false
 """
 
-LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=5.0, max_wait_s=5.0)
+# allreduce_codec "none": the honest swarm's losses are compared with the fp32 reference.
+LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=5.0, max_wait_s=5.0,
+                     allreduce_codec="none")
 TRAINER = TrainerConfig(forward_timeout_s=20.0, backward_timeout_s=20.0, info_timeout_s=2.0, refresh_s=0.5,
                         wait_initial_s=0.01, wait_max_s=0.2, commit_poll_s=0.01, commit_poll_max_s=0.05,
                         resend_grace_s=1.0, uncovered_grace_s=0.5, wiring=WiringConfig(seed=3))

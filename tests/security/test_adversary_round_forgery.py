@@ -29,13 +29,15 @@ from adversary_kit import (FAST, JOB, STAGE, backward, committed_within, fake_id
                            stranger_pool)
 
 from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.stage.sync import ROUND_PROTOCOL
 from transport.errors import RemoteError, TransportError
 from transport.rpc import Message
 
 
 def invitation(step: int, digest: bytes, members: list[tuple[bytes, str]]) -> Message:
     members = sorted(members)
-    return Message({"job": JOB, "stage": STAGE, "round": os.urandom(16), "step": step, "digest": digest,
+    return Message({"job": JOB, "stage": STAGE, "protocol": ROUND_PROTOCOL, "round": os.urandom(16), "step": step,
+                    "digest": digest,
                     "members": [p for p, _ in members], "addrs": [a for _, a in members]}, codec="none")
 
 
@@ -113,7 +115,8 @@ async def test_a_part_sent_under_another_members_index_is_refused(stage_peers, s
     (victim,), _ = await stage_peers(1)
     pool, _ = stranger
     members = sorted([fake_id(), victim.peer_id])
-    meta = {"job": JOB, "stage": STAGE, "round": os.urandom(16), "step": victim.service.committed,
+    meta = {"job": JOB, "stage": STAGE, "protocol": ROUND_PROTOCOL, "round": os.urandom(16),
+            "step": victim.service.committed,
             "members": members, "src": members.index(members[0] if members[0] != victim.peer_id else members[1]),
             "offset": 0, "ids": [], "samples": 0}
     with pytest.raises(RemoteError):

@@ -13,6 +13,7 @@ from waiting import until
 from swarmd.directory import StaticDirectory
 from swarmd.stage import StageLimits
 from swarmd.stage.limits import Slots
+from swarmd.stage.sync import ROUND_PROTOCOL
 from transport.errors import RemoteError, RpcError
 from transport.identity import Identity
 from transport.rpc import Message, Pool, RpcConfig
@@ -22,8 +23,29 @@ STAGE = 1
 
 
 def part_meta(kit, round_id, members, src=1, offset=0, step=0):
-    return {**kit.meta(STAGE), "round": round_id, "step": step, "members": members, "src": src,
-            "offset": offset, "ids": [[0, 1]], "samples": B}
+    return {**kit.meta(STAGE), "protocol": ROUND_PROTOCOL, "round": round_id, "step": step, "members": members,
+            "src": src, "offset": offset, "ids": [[0, 1]], "samples": B}
+
+
+@pytest.mark.parametrize("tensor, exponent", [
+    (torch.zeros(1, dtype=torch.float16), None),  # fp16 without its scale
+    (torch.zeros(1, dtype=torch.float16), 10**6),  # 2.0**-10**6 is 0, 2.0**10**6 raises
+    (torch.zeros(1), 3),  # a scale on fp32
+])
+async def test_a_malformed_all_reduce_piece_is_refused_before_a_box_opens(kit, client, tensor, exponent):
+    """Steps: a mate sends the first part of a round with a piece that is not plain fp32 nor fp16
+    with an exponent in range. Expected: `bad_input`, and no round box (a gradient-sized buffer)
+    is opened for it."""
+    spec = kit.make_spec(stages=3)
+    peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(), StageLimits(sync_interval_s=60.0))
+    members = sorted([peer.service.peer_id, b"\xff" * 32])
+    meta = part_meta(kit, os.urandom(16), members) | ({} if exponent is None else {"exp": exponent})
+    try:
+        with pytest.raises(RemoteError) as info:
+            await client.call(peer.addr, "stage.sync.reduce", Message(meta, [tensor], codec="none"), timeout=5)
+        assert info.value.code == "bad_input" and peer.service.sync.mailbox.open_rounds == 0
+    finally:
+        await peer.close()
 
 
 async def test_unknown_rounds_past_max_open_rounds_are_refused(kit, client):

@@ -14,6 +14,7 @@ import torch
 from swarmd.stage.core import initial_digest
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.stage import StageLimits
+from swarmd.stage.sync import ROUND_PROTOCOL
 from transport.errors import RemoteError
 from transport.rpc import Message, Pool, Request, Router, RpcServer
 
@@ -23,8 +24,8 @@ MATE = b"\xff" * 32  # a stage-mate played by the test; sorts after every test p
 
 
 def part_meta(kit, round_id, members, offset=0, step=0):
-    return {**kit.meta(STAGE), "round": round_id, "step": step, "members": members, "src": members.index(MATE),
-            "offset": offset, "ids": [[0, 1]], "samples": B}
+    return {**kit.meta(STAGE), "protocol": ROUND_PROTOCOL, "round": round_id, "step": step, "members": members,
+            "src": members.index(MATE), "offset": offset, "ids": [[0, 1]], "samples": B}
 
 
 async def code_of(client, addr, method, meta, tensors=()) -> str:
@@ -135,7 +136,8 @@ class HungMate:
     async def progress(self, req: Request) -> Message:
         n = self.spec.batch.microbatches_per_step
         return Message({"peer_id": MATE, "step": 0, "state": "serving", "held": [[0, n]], "claimed": [],
-                        "digest": initial_digest(self.spec.seed, STAGE), "samples": B * n, "in_round": False},
+                        "digest": initial_digest(self.spec.seed, STAGE), "samples": B * n, "in_round": False,
+                        "protocol": ROUND_PROTOCOL},
                        codec="none")
 
     async def round(self, req: Request) -> Message:

@@ -72,8 +72,12 @@ def tiny_job(tmp_path):
 # ---------------------------------------------------------------------------- a swarm on loopback
 
 JOB_ID = hashlib.sha256(b"train-test-job").digest()
-# Stage-mates poll each other often so steps commit within tens of milliseconds.
-STAGE_LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=5.0, max_wait_s=5.0)
+# Stage-mates poll each other often so steps commit within tens of milliseconds. The all-reduce
+# in fp32 (allreduce_codec "none", not the fp16 default): the tests on this swarm compare it with
+# the single-process fp32 reference at 1e-5; the fp16 default has a test of its own
+# (test_train_swarm_equivalence.py) and a tolerance that says why.
+STAGE_LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=5.0, max_wait_s=5.0,
+                           allreduce_codec="none")
 TRAINER_CONFIG = TrainerConfig(forward_timeout_s=20.0, backward_timeout_s=20.0, info_timeout_s=2.0, refresh_s=0.5,
                                wait_initial_s=0.01, wait_max_s=0.2, commit_poll_s=0.01, commit_poll_max_s=0.05,
                                resend_grace_s=1.0, uncovered_grace_s=0.5, wiring=WiringConfig(seed=11))
