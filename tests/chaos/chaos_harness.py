@@ -35,6 +35,8 @@ SERVE_TIMEOUT_S = 30.0
 #: the late RSS may be at most this factor of the early one, plus a fixed slack.
 RSS_GROWTH_FACTOR = 1.5
 RSS_SLACK_KIB = 96 * 1024
+#: Job steps after a process's first sample before its memory counts (see check_memory).
+WARM_STEPS = 20
 
 SPEC_TEMPLATE = """name = "{name}"
 seed = 3
@@ -223,14 +225,17 @@ def check_steps(run: Run, raw_spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def check_memory(run: Run, min_samples: int = 20) -> dict[str, tuple[int, int]]:
-    """For each process sampled often enough: the median RSS of its last fifth against that of its
-    first fifth (after its first sample, which may predate its stage's model) stays bounded."""
+    """For each process sampled often enough once it has settled: the median RSS of its last fifth
+    against that of its first fifth stays bounded. A process settles WARM_STEPS job steps after
+    its first sample: before, it may still be importing torch, building its stage or downloading
+    its state (a restarted peer's first seconds at ~200 MiB would make any later RSS look grown)."""
     report = {}
-    for (name, pid), samples in run.rss.items():
+    for (name, pid), sampled in run.rss.items():
+        samples = [s for s in sampled if s[0] >= sampled[0][0] + WARM_STEPS]
         if len(samples) < min_samples:
             continue
         fifth = len(samples) // 5
-        early = statistics.median(k for _, k in samples[1:1 + fifth])
+        early = statistics.median(k for _, k in samples[:fifth])
         late = statistics.median(k for _, k in samples[-fifth:])
         report[f"{name}/{pid}"] = (int(early), int(late))
         assert late <= early * RSS_GROWTH_FACTOR + RSS_SLACK_KIB, (
