@@ -65,9 +65,9 @@ JOB_DISCOVERY_S = 60.0
 #: `job.serve` builds the stage and downloads its state before it answers: slow on a loaded machine.
 SERVE_CALL_S = 180.0
 GOALS = {"kill_60s": 0.85, "slow_peer": 0.7}
-#: `--quick`: every part at its smallest (five daemons, 12 s windows: one kill per kill window, at
+#: `--quick`: every part at its smallest (five daemons, 6 s windows: one kill per kill window, at
 #: its start), for the test.
-QUICK = {"window": 12.0, "warmup_steps": 2, "d_model": 32, "seq_len": 16}
+QUICK = {"window": 6.0, "warmup_steps": 2, "d_model": 32, "seq_len": 16}
 
 
 @dataclass
