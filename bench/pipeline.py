@@ -79,11 +79,11 @@ from transport.codecs import CODECS  # noqa: E402
 from transport.rpc import Pool, Router, RpcServer  # noqa: E402
 
 DEFAULT_CODECS = ("none", "fp16", "lz4", "fp16+lz4", "int8")
-#: `--quick`: the smallest run that still exercises every part (five daemons, a few kills), about a
-#: minute on a busy 2-core machine, most of it starting daemons. Flags given explicitly still win.
+#: `--quick`: the smallest run that still exercises every part (five daemons, a few kills, the control
+#: figure over 2 s per size), about 40 s on a busy 2-core machine. Flags given explicitly still win.
 QUICK = {"stages": 2, "peers_per_stage": 2, "d_model": 32, "n_heads": 2, "seq_len": 16, "global_samples": 8,
          "microbatch_samples": 2, "local_steps": 5, "wire_steps": 1, "warmup_steps": 2, "duration": 6.0,
-         "fault_duration": 10.0, "kill_every": 4.0, "timeout": 90.0}
+         "fault_duration": 10.0, "kill_every": 4.0, "timeout": 90.0, "control_seconds": 2.0}
 #: The swarm's job never ends by itself: the windows end it (cancel). Also the LR schedule's length.
 SWARM_STEPS = 1_000_000
 #: How long a restarted or fresh daemon may take to find the job's record in the DHT.

@@ -106,6 +106,9 @@ def test_quick_run_reports_sane_figures(tmp_path):
     # liveness traffic and hellos, and its steps overlap the window edges, so not equal, but close.
     assert 0.5 < report["swarm_wire_to_in_process"] < 4
 
+    # Control traffic is measured, briefly (2 s per size): its figure is the full run's to judge.
+    assert set(report["control_traffic"]) == {"2", "4", "8"} and min(report["control_traffic"].values()) > 0
+
     config = report["config"]
     assert config["quick"] and {k: config[k] for k in pb.QUICK} == pb.QUICK
     assert live_processes_mentioning(str(tmp_path)) == []
