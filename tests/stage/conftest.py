@@ -11,6 +11,7 @@ import torch
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import parse_toml
 from swarmd.stage import StageLimits, StageService
+from transport.errors import RemoteError
 from transport.rpc import Message, Pool, Router, RpcServer
 
 torch.set_num_threads(1)
@@ -124,10 +125,19 @@ async def call(pool, peer, method, stage, step, mb, tensors, timeout=10.0):
                            timeout=timeout)
 
 
+async def code_of(pool, addr, method, meta, tensors=()) -> str:
+    """The refusal code of one call ("ok" if it was answered), for tests of what a peer refuses."""
+    try:
+        await pool.call(addr, method, Message(meta, list(tensors), codec="none"), timeout=5)
+        return "ok"
+    except RemoteError as exc:
+        return exc.code
+
+
 @pytest.fixture
 def kit():
     """The helpers above (pytest's importlib mode cannot import conftest from a test module)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(FAST=FAST, JOB=JOB, call=call, call_meta=call_meta, meta=meta, make_spec=make_spec,
-                           start_peer=start_peer)
+    return SimpleNamespace(FAST=FAST, JOB=JOB, call=call, call_meta=call_meta, code_of=code_of, meta=meta,
+                           make_spec=make_spec, start_peer=start_peer)

@@ -247,6 +247,17 @@ async def test_lossy_all_reduce_codecs_keep_peers_identical(kit, client, codec, 
             await p.close()
 
 
+async def backward_scaled(kit, client, peers, scale: float) -> None:
+    """Step 0's four microbatches, round-robin over the peers, with output gradients times `scale`;
+    returns once every peer committed the step."""
+    async def send(peer, m):
+        x, gy = inputs(0, m)
+        await kit.call(client, peer, "stage.backward", STAGE, 0, m, [x, gy * scale])
+
+    await asyncio.gather(*(send(peers[m % len(peers)], m) for m in range(4)))
+    await wait_step(peers, 1)
+
+
 async def test_an_fp16_all_reduce_of_sums_past_fp16s_range_is_scaled_not_clamped(kit, client):
     """Steps: 3 peers, the default fp16 all-reduce codec, one step whose output gradients are
     scaled by 1e4: the members' gradient sums reach ~3e5, past fp16's largest finite 65504.
@@ -260,12 +271,7 @@ async def test_an_fp16_all_reduce_of_sums_past_fp16s_range_is_scaled_not_clamped
     peers = [await kit.start_peer(spec, STAGE, i + 1, directory, limits) for i in range(3)]
     ref = Reference(spec)
     try:
-        async def send_scaled(peer, m):
-            x, gy = inputs(0, m)
-            await kit.call(client, peer, "stage.backward", STAGE, 0, m, [x, gy * scale])
-
-        await asyncio.gather(*(send_scaled(peers[m % 3], m) for m in range(4)))
-        await wait_step(peers, 1)
+        await backward_scaled(kit, client, peers, scale)
         for m in range(4):
             x, gy = inputs(0, m)
             ref.module(x).backward(gy * scale)
@@ -297,12 +303,7 @@ async def test_an_fp16_all_reduce_of_an_overflowed_sum_skips_the_step_on_every_m
     peers = [await kit.start_peer(spec, STAGE, i + 1, directory, limits) for i in range(3)]
     before = [p.detach().clone() for p in peers[0].service.stage.parameters()]
     try:
-        async def send_scaled(peer, m):
-            x, gy = inputs(0, m)
-            await kit.call(client, peer, "stage.backward", STAGE, 0, m, [x, gy * scale])
-
-        await asyncio.gather(*(send_scaled(peers[m % 3], m) for m in range(4)))
-        await wait_step(peers, 1)
+        await backward_scaled(kit, client, peers, scale)
         for p in peers:
             assert p.service.records[-1].grad_norm == float("inf") and p.service.records[-1].members == 3
             for a, b in zip(p.service.stage.parameters(), before):

@@ -15,7 +15,6 @@ from swarmd.stage.core import initial_digest
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.stage import StageLimits
 from swarmd.stage.sync import ROUND_PROTOCOL
-from transport.errors import RemoteError
 from transport.rpc import Message, Pool, Request, Router, RpcServer
 
 B, T, C = 2, 16, 32
@@ -26,14 +25,6 @@ MATE = b"\xff" * 32  # a stage-mate played by the test; sorts after every test p
 def part_meta(kit, round_id, members, offset=0, step=0):
     return {**kit.meta(STAGE), "protocol": ROUND_PROTOCOL, "round": round_id, "step": step, "members": members,
             "src": members.index(MATE), "offset": offset, "ids": [[0, 1]], "samples": B}
-
-
-async def code_of(client, addr, method, meta, tensors=()) -> str:
-    try:
-        await client.call(addr, method, Message(meta, list(tensors), codec="none"), timeout=5)
-        return "ok"
-    except RemoteError as exc:
-        return exc.code
 
 
 async def test_late_parts_of_closed_rounds_cannot_fill_the_mailbox(kit, client):
@@ -52,16 +43,16 @@ async def test_late_parts_of_closed_rounds_cannot_fill_the_mailbox(kit, client):
         late = []
         for _ in range(2):
             rid = os.urandom(16)
-            assert await code_of(client, peer.addr, "stage.sync.reduce", part_meta(kit, rid, members), part) == "ok"
-            assert await code_of(client, peer.addr, "stage.sync.abort", {**kit.meta(STAGE), "round": rid}) == "ok"
-            late.append(await code_of(client, peer.addr, "stage.sync.reduce",
+            assert await kit.code_of(client, peer.addr, "stage.sync.reduce", part_meta(kit, rid, members), part) == "ok"
+            assert await kit.code_of(client, peer.addr, "stage.sync.abort", {**kit.meta(STAGE), "round": rid}) == "ok"
+            late.append(await kit.code_of(client, peer.addr, "stage.sync.reduce",
                                       part_meta(kit, rid, members, offset=1), part))
         overtaken = os.urandom(16)
-        assert await code_of(client, peer.addr, "stage.sync.abort", {**kit.meta(STAGE), "round": overtaken}) == "ok"
-        late.append(await code_of(client, peer.addr, "stage.sync.reduce", part_meta(kit, overtaken, members), part))
+        assert await kit.code_of(client, peer.addr, "stage.sync.abort", {**kit.meta(STAGE), "round": overtaken}) == "ok"
+        late.append(await kit.code_of(client, peer.addr, "stage.sync.reduce", part_meta(kit, overtaken, members), part))
         assert late == ["busy", "busy", "busy"]
         assert peer.service.sync.mailbox.open_rounds == 0
-        fresh = await code_of(client, peer.addr, "stage.sync.reduce", part_meta(kit, os.urandom(16), members), part)
+        fresh = await kit.code_of(client, peer.addr, "stage.sync.reduce", part_meta(kit, os.urandom(16), members), part)
         assert fresh == "ok"
     finally:
         await peer.close()
@@ -80,10 +71,10 @@ async def test_boxes_of_rounds_never_joined_here_make_room(kit, client):
     part = [torch.zeros(1)]
     try:
         for _ in range(2):
-            assert await code_of(client, peer.addr, "stage.sync.reduce",
+            assert await kit.code_of(client, peer.addr, "stage.sync.reduce",
                                  part_meta(kit, os.urandom(16), members), part) == "ok"
         await asyncio.sleep(0.6)
-        assert await code_of(client, peer.addr, "stage.sync.reduce",
+        assert await kit.code_of(client, peer.addr, "stage.sync.reduce",
                              part_meta(kit, os.urandom(16), members), part) == "ok"
         assert peer.service.sync.mailbox.open_rounds == 1
     finally:
@@ -104,7 +95,7 @@ async def test_a_committed_step_frees_the_boxes_of_its_rounds(kit, client):
     try:
         for _ in range(2):
             meta = part_meta(kit, os.urandom(16), members)
-            assert await code_of(client, peer.addr, "stage.sync.reduce", meta, [torch.zeros(1)]) == "ok"
+            assert await kit.code_of(client, peer.addr, "stage.sync.reduce", meta, [torch.zeros(1)]) == "ok"
         assert peer.service.sync.mailbox.open_rounds == 2
         for m in range(spec.batch.microbatches_per_step):
             g = torch.Generator().manual_seed(m)

@@ -48,14 +48,6 @@ def max_rel_diff(module, ref_module):
                for p, q in zip(module.parameters(), ref_module.parameters()))
 
 
-async def code_of(client, addr, method, meta, tensors=()) -> str:
-    try:
-        await client.call(addr, method, Message(meta, list(tensors), codec="none"), timeout=5)
-        return "ok"
-    except RemoteError as exc:
-        return exc.code
-
-
 @pytest.mark.parametrize("version", [None, 1, ROUND_PROTOCOL + 1, "2"])
 async def test_a_round_rpc_of_another_protocol_is_refused_with_its_own_code(kit, client, version):
     """Steps: one peer; the test, as a mate of another round protocol (none given: version 1, an
@@ -76,7 +68,7 @@ async def test_a_round_rpc_of_another_protocol_is_refused_with_its_own_code(kit,
         assert info.value.code == "protocol_mismatch"
         assert repr(version if version is not None else 1) in info.value.message
         assert str(ROUND_PROTOCOL) in info.value.message
-        assert await code_of(client, peer.addr, "stage.sync.reduce", part, [torch.zeros(1)]) == "protocol_mismatch"
+        assert await kit.code_of(client, peer.addr, "stage.sync.reduce", part, [torch.zeros(1)]) == "protocol_mismatch"
         assert peer.service.sync.mailbox.open_rounds == 0
     finally:
         await peer.close()
