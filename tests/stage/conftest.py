@@ -85,7 +85,7 @@ class Peer:
 
 
 async def start_peer(spec, stage, index, directory: StaticDirectory, limits=FAST, state_dir=None,
-                     router: Router | None = None, announce=True, anchor=None) -> Peer:
+                     router: Router | None = None, announce=True, anchor=None, device="cpu") -> Peer:
     """A stage peer listening on 127.0.0.1:0, announced in `directory` once it serves; `anchor`
     stands for the job's submitter's signed progress (`swarmd.stage.resume`)."""
     router = router or Router()
@@ -94,7 +94,7 @@ async def start_peer(spec, stage, index, directory: StaticDirectory, limits=FAST
     peer_id = bytes([index]) * 32
     addr = f"{rpc.address[0]}:{rpc.address[1]}"
     service = StageService(spec, JOB, stage, peer_id, router, pool, directory, address=addr,
-                           limits=limits, state_dir=state_dir, anchor=anchor)
+                           limits=limits, state_dir=state_dir, anchor=anchor, device=device)
     await service.start()
     if announce:
         announced = await directory.peers(JOB, stage)
