@@ -55,7 +55,7 @@ import struct
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,6 @@ import torch  # noqa: E402
 from swarmd.client import Client, ControlError, DaemonUnavailable  # noqa: E402
 from swarmd.directory import StagePeer, StaticDirectory  # noqa: E402
 from swarmd.job import open_training_data  # noqa: E402
-from swarmd.job.data import Microbatch, TrainingData  # noqa: E402
 from swarmd.job.spec import JobSpec  # noqa: E402
 from swarmd.reference import ReferenceTrainer  # noqa: E402
 from swarmd.stage import StageLimits, StageServer, StageService  # noqa: E402
@@ -131,23 +130,10 @@ def with_codec(raw: dict[str, Any], codec: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ local baseline
 
 
-@dataclass(frozen=True)
-class OnDevice:
-    """`TrainingData` whose microbatches are moved to `device`: what the reference needs off CPU."""
-
-    data: TrainingData
-    device: torch.device
-
-    def microbatch(self, step: int, index: int) -> Microbatch:
-        mb = self.data.microbatch(step, index)
-        return replace(mb, inputs=mb.inputs.to(self.device), targets=mb.targets.to(self.device))
-
-
 def run_local(spec: JobSpec, steps: int, device: torch.device) -> dict[str, Any]:
     """One process, the same spec: one warm-up step (allocations, kernel selection), then `steps` timed."""
     data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, Path.cwd())
-    trainer = ReferenceTrainer(spec, OnDevice(data, device))
-    trainer.model.to(device)  # in place: the optimizers built on these parameters keep them
+    trainer = ReferenceTrainer(spec, data, device)  # builds its stages there and moves each microbatch
     trainer.train_step()
     started = time.perf_counter()
     for _ in range(steps):
