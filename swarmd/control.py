@@ -19,9 +19,10 @@ import os
 import pwd
 import socket
 import stat
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from swarmd.dht import DHTError, dht_key
 from swarmd.errors import Busy, LocalError
@@ -65,27 +66,31 @@ class DaemonView(Protocol):
     training: Training
 
 
-def register(router: Router, daemon: DaemonView) -> None:
-    """Add every control method to `router`."""
+class ControlMethods:
+    """The handlers of the control methods, one per method, answering from `daemon`."""
 
-    async def status(req: Request) -> Message:
-        return Message(daemon.status())
+    def __init__(self, daemon: DaemonView) -> None:
+        self.daemon = daemon
 
-    async def peers(req: Request) -> Message:
-        return Message({"peers": daemon.peers()})
+    async def status(self, req: Request) -> Message:
+        return Message(self.daemon.status())
 
-    async def dht_get(req: Request) -> Message:
+    async def peers(self, req: Request) -> Message:
+        return Message({"peers": self.daemon.peers()})
+
+    async def dht_get(self, req: Request) -> Message:
         key = dht_key(*_key_parts(req.meta.get("key")))
         try:
-            return Message(await daemon.dht_get(key))
+            return Message(await self.daemon.dht_get(key))
         except DHTError as exc:
             raise RpcError("dht_failed", str(exc)) from None
 
-    async def drain(req: Request) -> Message:
+    async def drain(self, req: Request) -> Message:
         pid = req.peer.peercred[0] if req.peer.peercred else None
-        return Message(daemon.request_drain(f"swarmctl drain (pid {pid})"))
+        return Message(self.daemon.request_drain(f"swarmctl drain (pid {pid})"))
 
-    async def job_submit(req: Request) -> Message:
+    async def job_submit(self, req: Request) -> Message:
+        daemon = self.daemon
         data = req.meta.get("data") or []
         base = req.meta.get("base")
         if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
@@ -106,13 +111,15 @@ def register(router: Router, daemon: DaemonView) -> None:
             job = await daemon.jobs.submit(req.meta.get("spec"), data, base, req.peer.peercred, start=start_trainers)
         return Message({"job": job.job_id.hex(), "name": job.spec.name, "stages": job.spec.pipeline.stages})
 
-    async def job_list(req: Request) -> Message:
+    async def job_list(self, req: Request) -> Message:
+        daemon = self.daemon
         with _job_errors():
             await daemon.jobs.refresh()
             await daemon.jobs.read_progress_of_listed()
         return Message({"jobs": [j.summary() for j in daemon.jobs.jobs.values()]})
 
-    async def job_get(req: Request) -> Message:
+    async def job_get(self, req: Request) -> Message:
+        daemon = self.daemon
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
             reply = await daemon.jobs.describe(job)
@@ -123,7 +130,8 @@ def register(router: Router, daemon: DaemonView) -> None:
                              for stage, step, peers in daemon.serving.outliers(job.job_id)]
         return Message(printable(reply))
 
-    async def job_cancel(req: Request) -> Message:
+    async def job_cancel(self, req: Request) -> Message:
+        daemon = self.daemon
         uid = req.peer.peercred[1] if req.peer.peercred else None
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
@@ -131,17 +139,15 @@ def register(router: Router, daemon: DaemonView) -> None:
         daemon.training.cancel(job)
         return Message({"job": job.job_id.hex(), "state": job.state})
 
-    async def job_logs(req: Request):
+    async def job_logs(self, req: Request) -> AsyncIterator[Message]:
+        daemon = self.daemon
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
         async for event in daemon.jobs.events(job, bool(req.meta.get("follow"))):
             yield Message(printable(event))
 
-    router.unary("status", status)
-    router.unary("peers", peers)
-    router.unary("dht.get", dht_get)
-    router.unary("drain", drain)
-    async def job_serve(req: Request) -> Message:
+    async def job_serve(self, req: Request) -> Message:
+        daemon = self.daemon
         stage = req.meta.get("stage")
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
@@ -160,7 +166,8 @@ def register(router: Router, daemon: DaemonView) -> None:
             raise RpcError("busy", f"stage: {exc}") from None
         return Message({"job": job.job_id.hex(), "stage": stage})
 
-    async def job_train(req: Request) -> Message:
+    async def job_train(self, req: Request) -> Message:
+        daemon = self.daemon
         data = req.meta.get("data") or []
         shard, shards = req.meta.get("shard", 0), req.meta.get("shards", 1)
         if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
@@ -184,21 +191,39 @@ def register(router: Router, daemon: DaemonView) -> None:
         await daemon.training.start(job, range(shard, shard + 1), shards)
         return Message({"job": job.job_id.hex(), "trainer": f"{shard}/{shards}"})
 
-    async def job_export(req: Request):
+    async def job_export(self, req: Request) -> AsyncIterator[Message]:
+        daemon = self.daemon
         with _job_errors():
             job = await daemon.jobs.find(req.meta.get("job"))
             peers = await daemon.jobs.stage_peers(job)
         async for message in export_messages(job, peers, daemon.pool, daemon.config.daemon.state_dir):
             yield message
 
-    router.unary("job.submit", job_submit)
-    router.stream("job.export", job_export)
-    router.unary("job.list", job_list)
-    router.unary("job.get", job_get)
-    router.unary("job.cancel", job_cancel)
-    router.stream("job.logs", job_logs)
-    router.unary("job.serve", job_serve)
-    router.unary("job.train", job_train)
+
+#: Each control method: its name on the wire, "unary" (one reply) or "stream" (replies until the
+#: handler ends), and its handler. `register` adds them in this order.
+METHODS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
+    ("status", "unary", ControlMethods.status),
+    ("peers", "unary", ControlMethods.peers),
+    ("dht.get", "unary", ControlMethods.dht_get),
+    ("drain", "unary", ControlMethods.drain),
+    ("job.submit", "unary", ControlMethods.job_submit),
+    ("job.export", "stream", ControlMethods.job_export),
+    ("job.list", "unary", ControlMethods.job_list),
+    ("job.get", "unary", ControlMethods.job_get),
+    ("job.cancel", "unary", ControlMethods.job_cancel),
+    ("job.logs", "stream", ControlMethods.job_logs),
+    ("job.serve", "unary", ControlMethods.job_serve),
+    ("job.train", "unary", ControlMethods.job_train),
+)
+
+
+def register(router: Router, daemon: DaemonView) -> None:
+    """Add every control method to `router`."""
+    methods = ControlMethods(daemon)
+    for name, kind, handler in METHODS:
+        add = router.stream if kind == "stream" else router.unary
+        add(name, types.MethodType(handler, methods))
 
 
 def _refuse_ended(job: Any) -> None:

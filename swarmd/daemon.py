@@ -58,6 +58,9 @@ IDENTITY_FILE = "identity.key"
 #: half-open. A few parts times this stays well inside TimeoutStopSec's margin over the drain.
 CLOSE_GRACE_S = 0.5
 
+#: The close step of each part started so far, (name, async close), run in reverse when the daemon stops.
+Closers = list[tuple[str, Callable[[], Awaitable[Any]]]]
+
 
 class StartupError(LocalError):
     """The daemon cannot start; `status` is the exit code, the message one line for the operator."""
@@ -190,7 +193,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._on_reload)
-        closers: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
+        closers: Closers = []
         status = EXIT_OK
         try:
             await self._start(closers)
@@ -208,14 +211,25 @@ class Daemon:
         log.info("stopped (exit status %d)", status)
         return status
 
-    async def _start(self, closers: list[tuple[str, Callable[[], Awaitable[Any]]]]) -> None:
+    async def _start(self, closers: Closers) -> None:
+        """Start the parts phase by phase; each appends its close step as soon as it is up, so a
+        failure in a later phase still closes what started."""
         cfg = self.config
         self.notifier.status("starting")
         self.device = resolve_device(cfg.daemon.device)
         self.identity = load_identity(cfg.daemon.state_dir)
         log.info("peer id %s, device %s, state in %s", self.identity.peer_id.hex(), self.device, cfg.daemon.state_dir)
+        await self._start_transport(closers)
+        await self._start_dht(closers)
+        directory = self._start_jobs(closers)
+        self._start_job_loops(closers, directory)
+        self.metrics.peers_alive.set_function(lambda: self.book.count_alive(time.monotonic()))
+        await self._start_control(closers)
+        await self._start_metrics(closers)
 
-        # 1. transport server: peers reach us here
+    async def _start_transport(self, closers: Closers) -> None:
+        """1. The transport server, where peers reach us, and the pool we dial them from."""
+        cfg = self.config
         router = self.router = metrics.InstrumentedRouter(self.metrics, "peer")
         rpc_config = peer_rpc_config(cfg.network, self.identity, self.metrics.traffic)
         try:
@@ -230,8 +244,10 @@ class Daemon:
         closers.append(("connection pool", self.pool.close))
         log.info("listening on %s, announcing %s", self.listen, self.announce)
 
-        # 2. DHT node
-        network = RpcNetwork(router, self.pool, str(self.announce), cfg.dht)
+    async def _start_dht(self, closers: Closers) -> None:
+        """2. The DHT node, on the peer router and pool."""
+        cfg = self.config
+        network = RpcNetwork(self.router, self.pool, str(self.announce), cfg.dht)
         self.dht = DHTNode(self.identity, network, cfg.dht, supervisor=Supervisor("dht", self.faults))
         await self.dht.start()
         closers.append(("DHT node", self.dht.stop))
@@ -239,7 +255,11 @@ class Daemon:
         self.metrics.dht_stored_keys.set_function(lambda: len(self.dht.storage.keys()))
         self.metrics.dht_lookups = self.dht.lookup_stats
         self.metrics.dht_refused_records = self.dht.refused_records
-        # Jobs publish through the DHT, so their announcements are withdrawn before the node stops.
+
+    def _start_jobs(self, closers: Closers) -> DHTStageDirectory:
+        """The job registry, the served stages and the trainers; returns the stage directory they
+        share. Jobs publish through the DHT, so their announcements are withdrawn before the node stops."""
+        cfg = self.config
         values = DHTValues(self.dht)  # every DHT value read by the jobs parts is decoded and checked here
         prober = Prober(self.pool, self.identity.peer_id)  # one cache of answered probes for joins and moves
         self.job_registry = JobRegistry(
@@ -250,7 +270,7 @@ class Daemon:
             values=values, prober=prober)
         closers.append(("job announcements", self.job_registry.withdraw))
         directory = DHTStageDirectory(self.dht, cfg.jobs.directory_ttl_s, values)
-        self.serving = Serving(self.dht, router, self.pool, directory, peer_id=self.identity.peer_id,
+        self.serving = Serving(self.dht, self.router, self.pool, directory, peer_id=self.identity.peer_id,
                                address=str(self.announce), device=self.device, state_dir=cfg.daemon.state_dir,
                                limits=StageLimits(torch_threads=cfg.jobs.torch_threads),
                                max_stages=cfg.jobs.max_stages, max_stage_memory=cfg.jobs.max_stage_memory,
@@ -261,6 +281,11 @@ class Daemon:
         closers.append(("trainers", self.training.close))
         self.metrics.evaluations = self.training.evaluations
         self.metrics.eval_loss.set_function(lambda: self.training.last_eval_loss)
+        return directory
+
+    def _start_job_loops(self, closers: Closers, directory: DHTStageDirectory) -> None:
+        """Automatic joining and rebalancing, which change the served stages on their own."""
+        cfg = self.config
         # Stopped before the stages close, so a drain is not remembered as "serves nothing".
         self.joining = Joining(self.job_registry, self.serving, RememberedStages(cfg.daemon.state_dir),
                                peer_id=self.identity.peer_id, serve=cfg.jobs.serve, max_stages=cfg.jobs.max_stages,
@@ -273,14 +298,14 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(EXIT_CONFIG, f"[rebalance]: {exc}") from None
         # Closed first of the job parts: a move under way is undone before its stages stop.
-        self.rebalancing = Rebalancing(self.serving, self.identity, router, self.pool, directory, settings,
+        self.rebalancing = Rebalancing(self.serving, self.identity, self.router, self.pool, directory, settings,
                                        self.metrics, Supervisor("rebalancing", self.faults))
         self.rebalancing.start()
         closers.append(("rebalancing", self.rebalancing.close))
         self.metrics.rebalance_jobs.set_function(lambda: len(self.rebalancing.jobs))
-        self.metrics.peers_alive.set_function(lambda: self.book.count_alive(time.monotonic()))
 
-        # 3. control API
+    async def _start_control(self, closers: Closers) -> None:
+        """3. The control API on its Unix socket (passed by systemd, else bound here)."""
         bound = self._bind_control()
         closers.append(("control socket", _awaitable(bound.close)))
         admission = control.Admission.for_socket(bound.path)
@@ -294,7 +319,9 @@ class Daemon:
         self.control_socket = bound.path
         log.info("control socket %s", bound.path)
 
-        # 4. metrics
+    async def _start_metrics(self, closers: Closers) -> None:
+        """4. The metrics endpoint, if `metrics.listen` is set."""
+        cfg = self.config
         if cfg.metrics.listen is not None:
             try:
                 scrape = await metrics.serve(self.metrics, cfg.metrics.listen)
@@ -367,7 +394,7 @@ class Daemon:
         await stopped
         return EXIT_OK
 
-    async def _close(self, closers: list[tuple[str, Callable[[], Awaitable[Any]]]]) -> None:
+    async def _close(self, closers: Closers) -> None:
         """Stop every part in reverse start order within what is left of the drain timeout."""
         deadline = time.monotonic() + self.config.daemon.drain_timeout_s
         while closers:

@@ -60,6 +60,13 @@ class Metrics:
         Gauge("swarmd_build_info", "Version of the running daemon (value is always 1).", ["version"],
               registry=r).labels(version).set(1)
         Gauge("swarmd_start_time_seconds", "Unix time the daemon started.", registry=r).set(time.time())
+        # Added in this order, which is the order of the scrape's text.
+        self._add_rpc_series(r)
+        self._add_swarm_series(r)
+        self._add_job_series(r)
+
+    def _add_rpc_series(self, r: CollectorRegistry) -> None:
+        """The routers' counts (InstrumentedRouter) and the control socket's refusals."""
         self.rpc_requests = Counter(
             "swarmd_rpc_requests_total", "RPC requests handled, by service, method and outcome.",
             ["service", "method", "outcome"], registry=r,
@@ -78,6 +85,9 @@ class Metrics:
             "swarmd_control_refused_connections_total",
             "Control socket connections refused by SO_PEERCRED admission.", registry=r,
         )
+
+    def _add_swarm_series(self, r: CollectorRegistry) -> None:
+        """Bootstrap, liveness, the DHT and the transport's byte counts."""
         self.bootstrap_attempts = Counter(
             "swarmd_bootstrap_attempts_total", "Bootstrap rounds, by outcome.", ["outcome"], registry=r,
         )
@@ -97,6 +107,9 @@ class Metrics:
         #: The DHT node's refused-record counts by reason (its own dict, read live); `None` until then.
         self.dht_refused_records: dict[str, int] | None = None
         r.register(_Counted(self))
+
+    def _add_job_series(self, r: CollectorRegistry) -> None:
+        """Rebalancing moves and the trainers' held-out evaluations."""
         self.rebalance_moves = Counter(
             "swarmd_rebalance_moves_total", "Rebalancing moves of a served stage to another, by outcome.",
             ["outcome"], registry=r,

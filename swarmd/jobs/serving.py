@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmd.directory import StagePeer
 from swarmd.errors import Busy
 from swarmd.dht.errors import DHTError
 from swarmd.job.budget import check_stage_fits, default_stage_memory
@@ -105,6 +106,46 @@ class Serving:
             return await self._move(job_id, from_stage, to_stage, drain_timeout_s)
 
     async def _move(self, job_id: bytes, from_stage: int, to_stage: int, drain_timeout_s: float) -> MoveRecord:
+        old, mates = await self._check_move(job_id, from_stage, to_stage)
+        moving = self.moving[job_id] = Moving(from_stage, to_stage, old.service.executor.samples_per_s)
+        started = time.monotonic()
+        drained_at = started
+        key = stage_key(job_id, from_stage)
+        new: StageService | None = None
+        try:
+            old.announcement = self.dht.announce(key, old.announcement.value_fn)  # say "draining" now
+            if not await old.service.drain(drain_timeout_s):
+                log.warning("stage %d: work still queued after %g s of draining; moving anyway", from_stage,
+                            drain_timeout_s)
+            drained_at = time.monotonic()
+            moving.phase = JOINING
+            new = StageService(old.service.spec, job_id, to_stage, self.peer_id, self.router, self.pool,
+                               self.directory, address=self.address, device=self.device,
+                               limits=job_limits(self.limits, old.service.spec), state_dir=self.state_dir,
+                               supervisor=self.supervisor, anchor=old.service.anchor)
+            await self._join_from_mates(new, to_stage, mates)
+            ann = self.dht.announce(stage_key(job_id, to_stage),
+                                    lambda: announcement_value(self.address, new.announcement()))
+            self.served[(job_id, to_stage)] = Served(new, ann)
+            del self.served[(job_id, from_stage)]
+        except BaseException as exc:
+            await self._undo_move(old, key, new, job_id, to_stage)
+            self._record_move(job_id, from_stage, to_stage, started, drained_at, -1, str(exc) or type(exc).__name__)
+            if isinstance(exc, (DHTError, TransportError, RpcError, StateError, OSError)):
+                raise MoveFailed(f"moving to stage {to_stage}: {exc}") from exc
+            raise
+        finally:
+            del self.moving[job_id]
+        await self.dht.withdraw(old.announcement)
+        await old.service.stop()
+        record = self._record_move(job_id, from_stage, to_stage, started, drained_at, new.committed)
+        log.info("moved from stage %d to stage %d of job %s in %.1f s (%.1f s draining), at step %d", from_stage,
+                 to_stage, job_id.hex()[:16], record.total_s, record.drain_s, new.committed)
+        return record
+
+    async def _check_move(self, job_id: bytes, from_stage: int, to_stage: int) -> tuple[Served, list[StagePeer]]:
+        """The served stage to move and the live mates of the target stage, or `MoveFailed` saying
+        why this move cannot be made now."""
         old = self.served.get((job_id, from_stage))
         if old is None:
             raise MoveFailed(f"not serving stage {from_stage} of job {job_id.hex()[:16]}")
@@ -122,56 +163,36 @@ class Serving:
             raise MoveFailed(f"no other peer of stage {from_stage} answered as serving it: moving would empty it")
         if not mates:
             raise MoveFailed(f"no live peer serves stage {to_stage} to download its state from")
-        moving = self.moving[job_id] = Moving(from_stage, to_stage, old.service.executor.samples_per_s)
-        started = time.monotonic()
-        drained_at = started
-        key = stage_key(job_id, from_stage)
-        new: StageService | None = None
+        return old, mates
+
+    @staticmethod
+    async def _join_from_mates(new: StageService, to_stage: int, mates: list[StagePeer]) -> None:
+        """Start the moved-to stage; it must have downloaded a mate's state, not begun afresh behind them."""
         try:
-            old.announcement = self.dht.announce(key, old.announcement.value_fn)  # say "draining" now
-            if not await old.service.drain(drain_timeout_s):
-                log.warning("stage %d: work still queued after %g s of draining; moving anyway", from_stage,
-                            drain_timeout_s)
-            drained_at = time.monotonic()
-            moving.phase = JOINING
-            new = StageService(old.service.spec, job_id, to_stage, self.peer_id, self.router, self.pool,
-                               self.directory, address=self.address, device=self.device,
-                               limits=job_limits(self.limits, old.service.spec), state_dir=self.state_dir,
-                               supervisor=self.supervisor, anchor=old.service.anchor)
-            try:
-                await new.start()
-            except (TransportError, RpcError, StateError, OSError, ExportError, PrecisionError) as exc:
-                raise MoveFailed(f"stage {to_stage} did not start: {exc}") from exc
-            behind = min(m.step for m in mates)
-            if new.committed < behind:
-                raise MoveFailed(f"no mate of stage {to_stage} gave its state (at step {new.committed}, "
-                                 f"mates at {behind}+)")
-            ann = self.dht.announce(stage_key(job_id, to_stage),
-                                    lambda: announcement_value(self.address, new.announcement()))
-            self.served[(job_id, to_stage)] = Served(new, ann)
-            del self.served[(job_id, from_stage)]
-        except BaseException as exc:
-            if new is not None and (job_id, to_stage) not in self.served:
-                await asyncio.shield(new.stop())
-            if old.service.state == "draining":
-                old.service.undrain()  # behind its mates now: its sync catches up by download
-                old.announcement = self.dht.announce(key, old.announcement.value_fn)
-            total = time.monotonic() - started
-            self.moves.append(MoveRecord(job_id.hex(), from_stage, to_stage, drained_at - started,
-                                         total - (drained_at - started), total, -1, str(exc) or type(exc).__name__))
-            if isinstance(exc, (DHTError, TransportError, RpcError, StateError, OSError)):
-                raise MoveFailed(f"moving to stage {to_stage}: {exc}") from exc
-            raise
-        finally:
-            del self.moving[job_id]
-        await self.dht.withdraw(old.announcement)
-        await old.service.stop()
+            await new.start()
+        except (TransportError, RpcError, StateError, OSError, ExportError, PrecisionError) as exc:
+            raise MoveFailed(f"stage {to_stage} did not start: {exc}") from exc
+        behind = min(m.step for m in mates)
+        if new.committed < behind:
+            raise MoveFailed(f"no mate of stage {to_stage} gave its state (at step {new.committed}, "
+                             f"mates at {behind}+)")
+
+    async def _undo_move(self, old: Served, key: bytes, new: StageService | None, job_id: bytes, to_stage: int) -> None:
+        """Serve the old stage again: the new one stopped (unless it already replaced the old), the
+        old one undrained and announced at `key` as serving."""
+        if new is not None and (job_id, to_stage) not in self.served:
+            await asyncio.shield(new.stop())
+        if old.service.state == "draining":
+            old.service.undrain()  # behind its mates now: its sync catches up by download
+            old.announcement = self.dht.announce(key, old.announcement.value_fn)
+
+    def _record_move(self, job_id: bytes, from_stage: int, to_stage: int, started: float, drained_at: float,
+                     step: int, error: str = "") -> MoveRecord:
+        """Keep the move's phase times among the recent moves (`MOVES_KEPT`) and return its record."""
         total = time.monotonic() - started
         record = MoveRecord(job_id.hex(), from_stage, to_stage, drained_at - started, total - (drained_at - started),
-                            total, new.committed)
+                            total, step, error)
         self.moves.append(record)
-        log.info("moved from stage %d to stage %d of job %s in %.1f s (%.1f s draining), at step %d", from_stage,
-                 to_stage, job_id.hex()[:16], total, record.drain_s, new.committed)
         return record
 
     async def leave(self, job_id: bytes, stage: int) -> bool:
