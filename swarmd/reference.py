@@ -52,11 +52,12 @@ class ReferenceTrainer:
         n = spec.pipeline.stages
         self.model = ComposedModel([build_initial_stage(spec.model.config, i, n, spec.seed, self.device,
                                                         spec.model.init, spec.model.init_digest) for i in range(n)])
-        self.optimizers = [StageOptimizer(stage, spec.optim, spec.steps, offload=spec.compute.optimizer_offload)
+        # fp16: one scaler per stage, in its optimizer, exactly as each stage of the swarm keeps its own.
+        self.optimizers = [StageOptimizer(stage, spec.optim, spec.steps, offload=spec.compute.optimizer_offload,
+                                          scaler=LossScaler(spec.compute.loss_scale, spec.compute.growth_interval)
+                                          if self.precision.scaled else None)
                            for stage in self.model.stages]
-        # fp16: one scaler per stage, exactly as each stage of the swarm keeps its own.
-        self.scalers = [LossScaler(spec.compute.loss_scale, spec.compute.growth_interval) for _ in range(n)] \
-            if self.precision.scaled else []
+        self.scalers = [opt.scaler for opt in self.optimizers if opt.scaler is not None]
         self.step = 0
 
     @classmethod
@@ -79,7 +80,7 @@ class ReferenceTrainer:
             loss_sum += loss.item()
         samples = self.spec.batch.global_samples
         if self.scalers:
-            reports = tuple(self._scaled_step(opt, scaler, samples) for opt, scaler in zip(self.optimizers, self.scalers))
+            reports = tuple(self._scaled_step(opt, samples) for opt in self.optimizers)
         else:
             reports = tuple(opt.step(samples) for opt in self.optimizers)
         result = ReferenceStep(self.step, loss_sum / samples, reports)
@@ -122,17 +123,17 @@ class ReferenceTrainer:
                 grad = torch.zeros_like(grad)
         return outputs[-1].item()
 
-    def _scaled_step(self, opt: StageOptimizer, scaler: LossScaler, samples: int) -> StepReport:
-        """The stage's step on gradient sums scaled by S: the mean is the sum over samples·S. An
-        overflow skips the update but not the step, as a stage does (StageService._skip_step)."""
+    def _scaled_step(self, opt: StageOptimizer, samples: int) -> StepReport:
+        """The stage's step on gradient sums scaled by S (the optimizer divides by samples·S and
+        moves S). An overflow skips the update but not the step, as a stage does
+        (StageService._skip_step)."""
         try:
-            report = opt.step(samples * scaler.scale)
+            return opt.step(samples)
         except NonFiniteGradient:
             report = StepReport(opt.step_count, opt.lr, math.inf, False)
             opt.optimizer.zero_grad(set_to_none=True)
             opt.step_count += 1
-        scaler.update(not math.isfinite(report.grad_norm))
-        return report
+            return report
 
     def train(self, steps: int) -> list[ReferenceStep]:
         results = []

@@ -18,6 +18,7 @@ from torch import nn
 
 from swarmd.errors import SwarmdError
 from swarmd.job.spec import OptimSpec
+from swarmd.model.precision import LossScaler
 from swarmd.optim.lamb import Lamb
 from swarmd.optim.schedule import lr_at
 
@@ -67,9 +68,15 @@ class StageOptimizer:
     there and copies the parameters back. The host copies are refreshed from the module every step
     rather than kept as the truth, so whatever loads parameters into the module (a downloaded state,
     a checkpoint) needs no hook here. The arithmetic is the same either way (bitwise on one
-    device), and the state's layout too: a snapshot moves between offloading and other peers."""
+    device), and the state's layout too: a snapshot moves between offloading and other peers.
 
-    def __init__(self, module: nn.Module, optim: OptimSpec, total_steps: int, offload: bool = False) -> None:
+    `scaler` (fp16): the stage's dynamic loss scale S. Its gradient sums are S times the true ones,
+    so a step divides by samples x S; every step, taken or skipped for a non-finite gradient,
+    updates S once. It lives here because it is optimizer state: it travels with a snapshot to
+    joiners and checkpoints, and every mate, stepping on the same all-reduced sum, moves it alike."""
+
+    def __init__(self, module: nn.Module, optim: OptimSpec, total_steps: int, offload: bool = False,
+                 scaler: LossScaler | None = None) -> None:
         self.module = module
         self.spec = optim
         self.total_steps = total_steps
@@ -81,7 +88,13 @@ class StageOptimizer:
             self.optimizer = build_optimizer(named, optim)
         else:
             self.optimizer = build_optimizer(module.named_parameters(), optim)
+        self.scaler = scaler
         self.step_count = 0
+
+    @property
+    def loss_scale(self) -> float:
+        """What the stage's backward seeds are multiplied by: S under fp16, else 1."""
+        return self.scaler.scale if self.scaler is not None else 1.0
 
     @property
     def lr(self) -> float:
@@ -91,7 +104,8 @@ class StageOptimizer:
     @torch.no_grad()
     def step(self, sample_count: int) -> StepReport:
         """Turn the accumulated gradient *sums* into the mean over `sample_count` samples, clip,
-        step, and clear the gradients; a non-finite gradient raises before anything changes."""
+        step, and clear the gradients; a non-finite gradient raises before anything but the loss
+        scale changes (an overflow halves it)."""
         if sample_count < 1:
             raise ValueError(f"sample_count must be at least 1, got {sample_count}")
         if not any(p.grad is not None for p in self.params):
@@ -107,9 +121,12 @@ class StageOptimizer:
             if self.offload:
                 for p in stepped:
                     p.grad = None  # the module's own gradients stay, as without offload
+            if self.scaler is not None:
+                self.scaler.update(True)
             raise NonFiniteGradient(f"gradient norm is {norm} at step {self.step_count}")
-        norm /= sample_count
-        scale = 1.0 / sample_count
+        divisor = sample_count * self.loss_scale
+        norm /= divisor
+        scale = 1.0 / divisor
         clipped = bool(self.spec.clip_norm) and norm > self.spec.clip_norm
         if clipped:
             scale *= self.spec.clip_norm / (norm + CLIP_EPS)
@@ -124,6 +141,8 @@ class StageOptimizer:
             for p in self.params:
                 p.copy_(self.host[id(p)])  # blocking: the next batch computes with these
                 p.grad = None
+        if self.scaler is not None:
+            self.scaler.update(False)
         report = StepReport(self.step_count, lr, norm, clipped)
         self.step_count += 1
         return report

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from swarmd.errors import SwarmdError
+from swarmd.model.precision import LossScaler
 from swarmd.optim.stage_optimizer import StageOptimizer
 
 STATE_FORMAT = 1
@@ -50,6 +51,8 @@ def export_state(opt: StageOptimizer) -> OptimizerState:
     groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
     meta = {"format": STATE_FORMAT, "optimizer": opt.spec.name, "stage": _stage_of(opt), "step": opt.step_count,
             "scalars": scalars, "param_groups": groups}
+    if opt.scaler is not None:
+        meta["loss_scale"] = opt.scaler.state()
     return OptimizerState(tensors, meta)
 
 
@@ -79,8 +82,17 @@ def import_state(opt: StageOptimizer, state: OptimizerState) -> None:
     for index, key, value in _entries(state.tensors, shapes) + _entries(scalars, shapes):
         per_param.setdefault(index, {})[key] = value
     restored = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups]
+    scaler = None
+    if opt.scaler is not None:  # checked before anything is loaded: a bad scale changes nothing
+        scaler = LossScaler(growth_interval=opt.scaler.growth_interval)
+        try:
+            scaler.load(meta.get("loss_scale"))
+        except ValueError as exc:
+            raise OptimizerStateError(f"loss_scale: {exc}") from None
     opt.optimizer.load_state_dict({"state": per_param, "param_groups": restored})
     opt.step_count = step
+    if scaler is not None:
+        opt.scaler.load(scaler.state())
 
 
 def _stage_of(opt: StageOptimizer) -> int | None:

@@ -141,7 +141,8 @@ class StageCompute:
     def __init__(self, stage: Stage, params: list[torch.nn.Parameter], accumulator: Accumulator,
                  guard: ParamGuard, committed: Callable[[], int], epoch: Callable[[], int], lane: Lane,
                  previous: Callable[[], "Previous | None"] = lambda: None,
-                 autocast: Callable[[], AbstractContextManager] = nullcontext) -> None:
+                 autocast: Callable[[], AbstractContextManager] = nullcontext,
+                 loss_scale: Callable[[], float] = lambda: 1.0) -> None:
         self.stage, self.params, self.accumulator = stage, params, accumulator
         self.guard, self.committed, self.epoch, self.lane = guard, committed, epoch, lane
         self.previous = previous
@@ -149,6 +150,9 @@ class StageCompute:
         # backward) runs inside it, the gradients are taken outside; parameters, sums, all-reduce
         # and optimizer stay fp32, and answers go back fp32 (the wire specs say so).
         self.autocast = autocast
+        # fp16's S (StageOptimizer.scaler): read under the guard, so a batch's gradients are all
+        # scaled by the S its step divides by (S moves only at a commit, under the write side).
+        self.loss_scale = loss_scale
 
     def run(self, batch: list[Work]) -> list[Answer]:
         """Compute one batch (all of one `Work.key`); raises StaleStep if its step is committed."""
@@ -228,12 +232,24 @@ class StageCompute:
         inputs = (list(self.params) if head.accumulate else []) + ([] if self.stage.is_first else [x])
         if not inputs:  # a repeat on the first stage: nothing to return, nothing to add
             return None
+        scale = self.loss_scale()
+        if scale != 1.0:  # fp16: the backward seeded with S x the incoming gradient (the loss's is 1)
+            grad_out = (torch.ones_like(out) if grad_out is None else grad_out) * scale
         grads = torch.autograd.grad(out, inputs, grad_outputs=grad_out, allow_unused=True)
         if head.accumulate:
             self.accumulator.add(head.step, [w.mb for w in batch], sum(sizes), list(grads[: len(self.params)]))
             for w in batch:
                 w.added = True
-        return None if self.stage.is_first else grads[-1]
+        if self.stage.is_first:
+            return None
+        grad_x = grads[-1]
+        if scale != 1.0:
+            # Passed on unscaled, and as zeros for a microbatch whose gradient overflowed: the stage
+            # before would refuse a non-finite gradient, and this stage's own sum holds the
+            # overflow, so its step is skipped and S halved (as the reference, swarmd/reference.py).
+            parts = (grad_x / scale).split(sizes)
+            grad_x = torch.cat([g if bool(torch.isfinite(g).all()) else torch.zeros_like(g) for g in parts])
+        return grad_x
 
     def _answers(self, grad_x: torch.Tensor | None, sizes: list[int], losses: list) -> list[Answer]:
         if grad_x is None:

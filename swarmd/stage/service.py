@@ -27,7 +27,7 @@ import torch
 from swarmd.directory import StageDirectory
 from swarmd.job import JobSpec
 from swarmd.model.init import build_initial_stage
-from swarmd.model.precision import Precision, PrecisionError
+from swarmd.model.precision import LossScaler, Precision
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
 from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
@@ -224,14 +224,13 @@ class StageService:
     def _build(self) -> None:
         precision = Precision(self.spec.compute.dtype)
         precision.check(self.device)
-        if precision.scaled:  # unscaled fp16 gradients underflow: refuse until the LossScaler is wired in
-            raise PrecisionError("compute.dtype fp16: this stage peer does not scale losses yet (docs/models.md); "
-                                 "use bf16")
         model = self.spec.model
         self.stage = build_initial_stage(model.config, self.stage_index, self.spec.pipeline.stages, self.spec.seed,
                                          self.device, model.init, model.init_digest)
-        self.opt = StageOptimizer(self.stage, self.spec.optim, self.spec.steps,
-                                  offload=self.spec.compute.optimizer_offload)
+        compute = self.spec.compute
+        self.opt = StageOptimizer(self.stage, self.spec.optim, self.spec.steps, offload=compute.optimizer_offload,
+                                  scaler=LossScaler(compute.loss_scale, compute.growth_interval)
+                                  if precision.scaled else None)
         self.params = self.opt.params
         self.numel = sum(p.numel() for p in self.params)
         self.guard = ParamGuard()
@@ -244,7 +243,8 @@ class StageService:
             lane, workers = cuda_lane(self.device), 1  # one stream per stage: one thread feeds it
         self.compute = StageCompute(self.stage, self.params, self.accumulator, self.guard, lambda: self.opt.step_count,
                                     lambda: self._state_epoch, lane, lambda: self._previous,
-                                    autocast=lambda: precision.autocast(self.device))
+                                    autocast=lambda: precision.autocast(self.device),
+                                    loss_scale=lambda: self.opt.loss_scale)
         self.executor = Executor(self.compute.run, self.limits, workers, f"stage{self.stage_index}")
 
     async def _join(self) -> None:
@@ -767,8 +767,13 @@ class StageService:
     def _skip_step(self, exc: NonFiniteGradient) -> StepReport:
         """Every member reduced the same non-finite gradient: all skip the update alike (as AMP's
         GradScaler does) but commit the step, so the stage stays consistent and live instead of
-        retrying a round that can only fail again. The record shows grad_norm inf."""
-        log.error("stage %d step %d: %s; update skipped", self.stage_index, self.committed, exc)
+        retrying a round that can only fail again. The record shows grad_norm inf. Under fp16 an
+        overflow is how the loss scale finds its level (the optimizer has halved it already)."""
+        if self.opt.scaler is not None:
+            log.warning("stage %d step %d: %s; update skipped, loss scale now %g", self.stage_index,
+                        self.committed, exc, self.opt.loss_scale)
+        else:
+            log.error("stage %d step %d: %s; update skipped", self.stage_index, self.committed, exc)
         lr = self.opt.lr
         self.opt.optimizer.zero_grad(set_to_none=True)
         report = StepReport(self.opt.step_count, lr, math.inf, False)

@@ -9,6 +9,7 @@ import torch
 
 from swarmd.job import OptimSpec
 from swarmd.model import TransformerConfig, build_stage
+from swarmd.model.precision import LossScaler
 from swarmd.optim import (
     NonFiniteGradient,
     OptimizerState,
@@ -189,3 +190,40 @@ def test_an_offloaded_optimizer_refuses_a_non_finite_gradient_and_changes_nothin
     with pytest.raises(NonFiniteGradient):
         opt.step(2)
     assert all(torch.equal(before[n], p) for n, p in stage.named_parameters()) and opt.step_count == 0
+
+
+def test_a_loss_scale_divides_the_sum_and_moves_with_each_step():
+    """fp16's S: the gradient sums are S times the true ones, so the step divides by samples x S
+    (the same update as unscaled); a clean step counts toward growth, an overflow halves S and
+    raises with the parameters unchanged."""
+    module = linear_with_grad([8.0 * 1024, -4.0 * 1024])
+    opt = StageOptimizer(module, OptimSpec(name="sgd", lr=0.5, momentum=0.0, weight_decay=0.0,
+                                           schedule="constant", clip_norm=0.0), total_steps=10,
+                         scaler=LossScaler(1024.0, growth_interval=2))
+    report = opt.step(4)
+    assert module.weight.tolist() == [[1.0 - 0.5 * 2.0, 1.0 + 0.5 * 1.0]]
+    assert report.grad_norm == pytest.approx(5 ** 0.5)
+    assert opt.loss_scale == 1024.0 and opt.scaler.good_steps == 1
+    module.weight.grad = torch.tensor([[float("inf"), 1.0]])
+    with pytest.raises(NonFiniteGradient):
+        opt.step(4)
+    assert module.weight.tolist() == [[0.0, 1.5]] and opt.loss_scale == 512.0 and opt.scaler.good_steps == 0
+
+
+def test_the_loss_scale_travels_with_the_state_and_a_bad_one_changes_nothing():
+    """A joiner of an fp16 stage takes its mate's S with the optimizer state; a state whose S no
+    correct mate could hold is refused before anything is loaded."""
+    spec = OptimSpec(name="adamw", lr=1e-2)
+    stage_a, stage_b = build_stage(CONFIG, 0, 2, seed=1), build_stage(CONFIG, 0, 2, seed=1)
+    opt_a = StageOptimizer(stage_a, spec, total_steps=10, scaler=LossScaler(256.0, growth_interval=3))
+    train_a_little(opt_a, stage_a, 2)
+    state = export_state(opt_a)
+    assert state.meta["loss_scale"] == {"scale": 256.0, "good_steps": 2}
+    opt_b = StageOptimizer(stage_b, spec, total_steps=10, scaler=LossScaler(65536.0, growth_interval=3))
+    for bad in [{"scale": 0.5, "good_steps": 0}, {"scale": 256.0, "good_steps": 3}, None]:
+        shipped = OptimizerState(state.tensors, {**state.meta, "loss_scale": bad})
+        with pytest.raises(OptimizerStateError, match="loss_scale"):
+            import_state(opt_b, shipped)
+        assert opt_b.step_count == 0 and opt_b.loss_scale == 65536.0
+    import_state(opt_b, OptimizerState(state.tensors, msgpack.unpackb(msgpack.packb(state.meta))))
+    assert opt_b.step_count == 2 and opt_b.loss_scale == 256.0 and opt_b.scaler.good_steps == 2

@@ -163,3 +163,58 @@ async def test_a_peer_announced_mid_run_is_found_and_used(tiny_job, swarm, pools
     worst = kit.max_relative_difference(swarm_, reference)
     print(f"peer joined mid-run: max relative difference {worst:.2e}")
     assert worst <= 1e-5
+
+
+def emulate_fp16_on_cpu(monkeypatch) -> None:
+    """fp16 runs on CUDA only (stage peers and the reference refuse it elsewhere); here torch's
+    CPU float16 autocast stands in, the device check waived. It is faithful: on an H200 the fp16
+    reference gave the same per-step losses as this stand-in to 4 decimals, overflows included
+    (tests/model/test_model_precision.py, docs/models.md)."""
+    from swarmd.model.precision import Precision
+
+    monkeypatch.setattr(Precision, "check", lambda self, device: None)
+    monkeypatch.setattr(Precision, "autocast", lambda self, device: torch.autocast("cpu", dtype=torch.float16))
+
+
+def in_fp16(spec, loss_scale: float):
+    compute = dataclasses.replace(spec.compute, dtype="fp16", loss_scale=loss_scale, growth_interval=1000)
+    return dataclasses.replace(spec, compute=compute)
+
+
+@pytest.mark.parametrize("loss_scale", [2.0 ** 12, 2.0 ** 24], ids=["fitting", "overflowing"])
+async def test_fp16_stages_scale_losses_and_follow_the_fp16_reference(tiny_job, swarm, pools, kit, monkeypatch,
+                                                                       loss_scale):
+    """Steps: 3 stages x 2 peers, 2 trainers, SGD with momentum, `[compute] dtype = "fp16"` (CPU
+    float16 autocast standing in for CUDA), starting at S = 2^12 (the gradients fit) or 2^24 (they
+    overflow: each stage skips its steps and halves its own S until they fit), 6 steps.
+    Expected: each step's loss within 1e-3 relative of the fp16 reference's (fp16 rounds a
+    microbatch computed alone and one batched with another differently); every stage's peers hold
+    the reference stage's S and the same parameters, bit for bit (I2: one reduced gradient, one
+    overflow verdict on every mate); from 2^24 some stage skipped a step (grad_norm inf) as the
+    reference's did."""
+    emulate_fp16_on_cpu(monkeypatch)
+    spec, data = tiny_job(optim="sgd", lr=0.1, steps=6)
+    spec = in_fp16(spec, loss_scale)
+    swarm_ = await swarm(spec, peers_per_stage=2)
+    _, results, events = await run_trainers(spec, data, swarm_, pools, kit, steps=6)
+    reference = ReferenceTrainer(spec, data)
+    ref_steps = reference.train(6)
+    losses = global_losses(events, spec.batch.global_samples)
+    worst = max(abs(a - b.loss) / b.loss for a, b in zip(losses, ref_steps))
+    ref_skips = [[math.isinf(r.grad_norm) for r in s.reports] for s in ref_steps]
+    print(f"fp16 from S={loss_scale:g}: losses {[round(v, 4) for v in losses]}, reference "
+          f"{[round(s.loss, 4) for s in ref_steps]} ({worst:.1e}); reference skips {ref_skips}; scales "
+          f"{[p.service.opt.loss_scale for p in swarm_.peers]} vs {[s.scale for s in reference.scalers]}")
+    assert len(losses) == 6 and worst <= 1e-3
+    for _ in range(100):  # a trainer moves on once one peer reports the commit; its mate a moment later
+        if all(peer.service.committed == 6 for peer in swarm_.peers):
+            break
+        await asyncio.sleep(0.1)
+    for stage in range(3):
+        first, second = swarm_.of_stage(stage)
+        assert first.service.committed == second.service.committed == 6
+        assert first.service.opt.loss_scale == second.service.opt.loss_scale == reference.scalers[stage].scale
+        for a, b in zip(first.service.stage.parameters(), second.service.stage.parameters()):
+            assert torch.equal(a, b), stage
+    skipped = [any(math.isinf(r.grad_norm) for r in p.service.records) for p in swarm_.peers]
+    assert any(skipped) == any(any(s) for s in ref_skips) == (loss_scale > 2.0 ** 20)
