@@ -111,6 +111,7 @@ class ServedPeer:
 class LoopbackSwarm:
     spec: object
     limits: StageLimits = STAGE_LIMITS
+    device: str = "cpu"
     directory: StaticDirectory = field(default_factory=StaticDirectory)
     peers: list[ServedPeer] = field(default_factory=list)
 
@@ -127,7 +128,7 @@ class LoopbackSwarm:
         pool = Pool()
         addr = f"{rpc.address[0]}:{rpc.address[1]}"
         service = StageService(self.spec, JOB_ID, stage, peer_id, server, pool, self.directory, address=addr,
-                               limits=self.limits)
+                               device=self.device, limits=self.limits)
         await service.start()
         peer = ServedPeer(stage, peer_id, service, rpc, pool)
         announced = await self.directory.peers(JOB_ID, stage)
@@ -148,8 +149,8 @@ async def swarm():
     """`await swarm(spec, peers_per_stage, limits)` starts one; all are closed at the end of the test."""
     started: list[LoopbackSwarm] = []
 
-    async def start(spec, peers_per_stage=2, limits=STAGE_LIMITS):
-        started.append(LoopbackSwarm(spec, limits))
+    async def start(spec, peers_per_stage=2, limits=STAGE_LIMITS, device="cpu"):
+        started.append(LoopbackSwarm(spec, limits, device))
         return await started[-1].start(peers_per_stage)
 
     try:

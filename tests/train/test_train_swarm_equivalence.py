@@ -181,23 +181,29 @@ def in_fp16(spec, loss_scale: float):
     return dataclasses.replace(spec, compute=compute)
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device, none here (scripts/gpu-check.sh runs it)")]),
+    "cpu-float16"])
 @pytest.mark.parametrize("loss_scale", [2.0 ** 12, 2.0 ** 24], ids=["fitting", "overflowing"])
 async def test_fp16_stages_scale_losses_and_follow_the_fp16_reference(tiny_job, swarm, pools, kit, monkeypatch,
-                                                                       loss_scale):
+                                                                       loss_scale, device):
     """Steps: 3 stages x 2 peers, 2 trainers, SGD with momentum, `[compute] dtype = "fp16"` (CPU
-    float16 autocast standing in for CUDA), starting at S = 2^12 (the gradients fit) or 2^24 (they
+    float16 autocast standing in for CUDA, or on CUDA), starting at S = 2^12 (the gradients fit) or 2^24 (they
     overflow: each stage skips its steps and halves its own S until they fit), 6 steps.
     Expected: each step's loss within 1e-3 relative of the fp16 reference's (fp16 rounds a
     microbatch computed alone and one batched with another differently); every stage's peers hold
     the reference stage's S and the same parameters, bit for bit (I2: one reduced gradient, one
     overflow verdict on every mate); from 2^24 some stage skipped a step (grad_norm inf) as the
     reference's did."""
-    emulate_fp16_on_cpu(monkeypatch)
+    if device == "cpu-float16":
+        emulate_fp16_on_cpu(monkeypatch)
+        device = "cpu"
     spec, data = tiny_job(optim="sgd", lr=0.1, steps=6)
     spec = in_fp16(spec, loss_scale)
-    swarm_ = await swarm(spec, peers_per_stage=2)
+    swarm_ = await swarm(spec, peers_per_stage=2, device=device)
     _, results, events = await run_trainers(spec, data, swarm_, pools, kit, steps=6)
-    reference = ReferenceTrainer(spec, data)
+    reference = ReferenceTrainer(spec, data, device=device)
     ref_steps = reference.train(6)
     losses = global_losses(events, spec.batch.global_samples)
     worst = max(abs(a - b.loss) / b.loss for a, b in zip(losses, ref_steps))
