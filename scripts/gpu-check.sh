@@ -18,7 +18,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 "$PY" -c 'import torch; print("gpu-check:", torch.cuda.get_device_name(0), "torch", torch.__version__, "CUDA", torch.version.cuda)'
 
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/model tests/stage tests/train tests/bench
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/model tests/stage tests/train tests/chaos tests/bench
 tests=$?
 echo "gpu-check: CUDA-lane tests exit $tests"
 
