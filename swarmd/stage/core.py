@@ -346,8 +346,8 @@ class StageCore:
         # nothing adds nothing to the sum, and waiting for its parts would hold the round to its
         # pace (a slow mate the trainers route nothing to); it downloads the committed state. A
         # peer that holds nothing leads no round either.
-        holding = [(m.peer_id, m.addr) for m in lineage if m.ids]
-        members = tuple(sorted([(self.peer_id, self.address)] * bool(held) + holding))
+        mine = [(self.peer_id, self.address)] if held else []
+        members = tuple(sorted(mine + [(m.peer_id, m.addr) for m in lineage if m.ids]))
         if not members or members[0][0] != self.peer_id or now < self._defer_until:
             return None
         return Lead(self.step, self.digest, members)

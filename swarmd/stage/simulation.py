@@ -2,7 +2,8 @@
 
 Virtual time on an event heap, an in-memory network (latency, loss, one-way partitions that heal),
 split directory views, compute slower than the trainers' timeout, deaths and rejoins, a member
-whose round parts are slow for the whole run, and trainers that time out, retry on another peer
+whose round parts are slow for the whole run, a peer stopped (SIGSTOP) most of every short period,
+and trainers that time out, retry on another peer
 and re-send what the stage reports missing or uncovered. Every peer runs the real `StageCore`, the
 real `plan_round` and `choose_owners`, and the shell's round rules (sync.py: a phase deadline each
 for the reduce-scatter and the all-gather, late members that own no shard left out, owners' plans

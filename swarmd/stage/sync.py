@@ -120,7 +120,7 @@ class StageSync:
                 await asyncio.sleep(interval)
                 if polling is None or polling.done():
                     if polling is not None:
-                        _quiet(polling, self.host.stage_index)
+                        _poll_outcome(polling, self.host.stage_index)
                     polling = asyncio.create_task(self.poll(full=False), name="stage sync poll")
                     await asyncio.wait({polling}, timeout=interval)
                 try:
@@ -544,7 +544,7 @@ def _owner_flags(owners: Any, members: int) -> tuple[bool, ...]:
     return tuple(i in owners for i in range(members))
 
 
-def _quiet(poll: asyncio.Task, stage: int) -> None:
+def _poll_outcome(poll: asyncio.Task, stage: int) -> None:
     """A finished poll's outcome: a mate's transport trouble is only logged, anything else raised."""
     if poll.cancelled():
         return

@@ -20,9 +20,10 @@ each further timeout up to `bench_max_s`; when the bench lifts the next call pro
 reply clears its record. A peer far slower than its stage's fastest (`slow_factor`) is withheld
 from picks while that one is usable, except one probe call every `slow_probe_s` whose reply
 replaces its estimate: a stage's step waits for its slowest member's share and all-reduce part, so
-routing it even a little work costs every step more than its compute adds. `busy` charges the peer one more request and reroutes; a connection error
-or a typed failure bans the peer until it re-announces (its announcement changes or expires), or,
-so that a fixed table cannot starve a stage for ever, until `max_ban_s` has passed.
+routing it even a little work costs every step more than its compute adds. `busy` charges the
+peer one more request and reroutes; a connection error or a typed failure bans the peer until it
+re-announces (its announcement changes or expires), or, so that a fixed table cannot starve a
+stage for ever, until `max_ban_s` has passed.
 
 Pure: the caller passes the wall-clock `now` and the measured durations; tests drive it directly.
 """
@@ -228,7 +229,7 @@ class StageWiring:
         return {pid for pid in slow if now < self._probe_at[pid]}
 
     def usable(self, now: float, benched_too: bool = False) -> list[StagePeer]:
-        """Announced peers not banned, and (unless `benched_too`) not benched."""
+        """Announced peers not banned, and (unless `benched_too`) not benched nor withheld for slowness."""
         excluded = self._excluded(now)
         if benched_too:
             excluded = set(self._bans)
