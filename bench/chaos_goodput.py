@@ -269,7 +269,7 @@ def draw(result: dict[str, Any], path: Path) -> None:
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     run = Run()
-    settings = SwarmSettings(log_level="warning", env={**FAST_ENV, **PINNED_ENV})
+    settings = SwarmSettings(log_level=args.log_level, env={**FAST_ENV, **PINNED_ENV})
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="chaos-goodput-"))
     with LocalSwarm(root, settings) as swarm:
         trainer, *servers = swarm.start(1 + args.stages * args.peers_per_stage)
@@ -287,7 +287,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="every part at its smallest, for a test")
     parser.add_argument("--window", type=float, default=120.0, help="seconds per fault window")
-    parser.add_argument("--kill-every", default="60,30,15", help="kill periods in seconds, one window each")
+    parser.add_argument("--kill-every", default="60,30,15",
+                        help="kill periods in seconds, one window each ('' for none: the slow-peer window alone)")
     parser.add_argument("--slow-stopped", type=float, default=0.75, help="fraction of time the slow peer is stopped")
     parser.add_argument("--slow-period", type=float, default=0.4, help="seconds of one stop/run cycle")
     parser.add_argument("--stages", type=int, default=2)
@@ -301,16 +302,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds the warm-up may take")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--root", help="where the daemons live (default: a new temp dir)")
+    parser.add_argument("--log-level", default="warning", help="the daemons' (stderr.log under --root)")
     parser.add_argument("--json", help="also write the JSON here")
     parser.add_argument("--png", help="draw the ratios here")
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    args.kill_periods = [float(p) for p in str(args.kill_every).split(",")]
+    args.kill_periods = [float(p) for p in str(args.kill_every).split(",") if p.strip()]
     if args.stages * args.peers_per_stage < 4 or args.peers_per_stage < 2:
         parser.error("the slow-peer window needs 4+ stage peers, 2+ per stage")
-    if not 0 <= args.slow_stopped < 1 or args.window <= 0 or min(args.kill_periods) <= 0:
+    if not 0 <= args.slow_stopped < 1 or args.window <= 0 or min(args.kill_periods, default=1) <= 0:
         parser.error("--slow-stopped must be in [0, 1), --window and the kill periods positive")
     return args
 

@@ -342,8 +342,13 @@ class StageCore:
         since, members = self._last_round
         if now - since < self.config.defer_s and any(m.step < self.step for m in serving if m.peer_id in members):
             return None  # a mate of the round just committed shows the step before: give its commit a moment
-        members = tuple(sorted([(self.peer_id, self.address)] + [(m.peer_id, m.addr) for m in lineage]))
-        if members[0][0] != self.peer_id or now < self._defer_until:
+        # Only peers that hold some of the step's microbatches are members: one that holds
+        # nothing adds nothing to the sum, and waiting for its parts would hold the round to its
+        # pace (a slow mate the trainers route nothing to); it downloads the committed state. A
+        # peer that holds nothing leads no round either.
+        mine = [(self.peer_id, self.address)] if held else []
+        members = tuple(sorted(mine + [(m.peer_id, m.addr) for m in lineage if m.ids]))
+        if not members or members[0][0] != self.peer_id or now < self._defer_until:
             return None
         return Lead(self.step, self.digest, members)
 

@@ -2,7 +2,8 @@
 
 Virtual time on an event heap, an in-memory network (latency, loss, one-way partitions that heal),
 split directory views, compute slower than the trainers' timeout, deaths and rejoins, a member
-whose round parts are slow for the whole run, and trainers that time out, retry on another peer
+whose round parts are slow for the whole run, a peer stopped (SIGSTOP) most of every short period,
+and trainers that time out, retry on another peer
 and re-send what the stage reports missing or uncovered. Every peer runs the real `StageCore`, the
 real `plan_round` and `choose_owners`, and the shell's round rules (sync.py: a phase deadline each
 for the reduce-scatter and the all-gather, late members that own no shard left out, owners' plans
@@ -65,6 +66,11 @@ class Schedule:
     # whole run, past the faults too: a mate behind a slow uplink for good, whose small answers
     # still come in time. The stage must finish all the same, on one state.
     slow_member: tuple[int, float] | None = None
+    # (peer, period, stopped): one peer stopped (SIGSTOP) for the first `stopped` fraction of every
+    # `period` s for the whole run, running the rest (bench/chaos_goodput.py `slow_peer`): whatever
+    # would happen at it meanwhile (its ticks, computes, messages reaching it) happens when it runs
+    # again. Its mates lead rounds without it when it holds nothing, and it catches up by download.
+    stalled: tuple[int, float, float] | None = None
 
 
 def random_schedule(seed: int) -> Schedule:
@@ -95,6 +101,9 @@ def random_schedule(seed: int) -> Schedule:
                         rng.choice((1, 2, 8)))
     if peers > 1 and rng.random() < 0.25:  # drawn last: the schedules above stay what they were
         schedule = dataclasses.replace(schedule, slow_member=(rng.randrange(peers), rng.uniform(0.2, 4.0)))
+    if peers > 1 and rng.random() < 0.2:  # drawn after the rest, likewise
+        schedule = dataclasses.replace(schedule, stalled=(rng.randrange(peers), rng.uniform(0.1, 0.6),
+                                                          rng.uniform(0.3, 0.8)))
     return schedule
 
 
@@ -168,9 +177,28 @@ class StageSimulation:
         heapq.heappush(self._heap, (self.now + delay, next(self._seq), fn, args))
 
     def _for(self, peer: _Peer, fn: Callable) -> Callable:
-        """`fn` if the peer is still in the same life when the event fires."""
+        """`fn` if the peer is still in the same life when the event fires (a stalled peer's, once
+        it runs again)."""
         life = peer.life
-        return lambda *a: fn(*a) if peer.alive and peer.life == life else None
+
+        def fire(*a) -> None:
+            if not (peer.alive and peer.life == life):
+                return
+            resume = self._resumes(peer.index)
+            if resume > self.now:
+                self.at(resume - self.now, fire, *a)
+            else:
+                fn(*a)
+
+        return fire
+
+    def _resumes(self, i: int) -> float:
+        """When peer `i` runs again (now, unless it is the stalled peer in a stopped part)."""
+        if self.s.stalled is None or self.s.stalled[0] != i:
+            return self.now
+        _, period, stopped = self.s.stalled
+        start = self.now - self.now % period
+        return start + stopped * period if self.now < start + stopped * period else self.now
 
     def _faulty(self) -> bool:
         return self.now < self.s.fault_end

@@ -108,15 +108,32 @@ class StageSync:
     # ----------------------------------------------------------------------------- polling
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.host.limits.sync_interval_s)
-            try:
-                await self.tick()
-            except (TransportError, RpcError, TimeoutError) as exc:
-                log.debug("stage %d sync: %s", self.host.stage_index, exc)
+        """Every `sync_interval_s`: poll (`polled_mates` of) the mates, then decide. A poll waits for
+        its slowest mate's answer (up to progress_timeout_s), so it runs beside the decisions: a
+        tick waits one interval for it, then decides on the views at hand, and the next poll starts
+        once it is over. A step this peer and the mates it needs cover must not wait on a mate that
+        holds nothing of it (a stopped or overloaded one)."""
+        interval = self.host.limits.sync_interval_s
+        polling: asyncio.Task | None = None
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                if polling is None or polling.done():
+                    if polling is not None:
+                        _poll_outcome(polling, self.host.stage_index)
+                    polling = asyncio.create_task(self.poll(full=False), name="stage sync poll")
+                    await asyncio.wait({polling}, timeout=interval)
+                try:
+                    await self.act()
+                except (TransportError, RpcError, TimeoutError) as exc:
+                    log.debug("stage %d sync: %s", self.host.stage_index, exc)
+        finally:
+            if polling is not None:
+                polling.cancel()
+                await asyncio.gather(polling, return_exceptions=True)
 
-    async def tick(self) -> None:
-        await self.poll(full=False)
+    async def act(self) -> None:
+        """Do what the core decides on the views at hand: download, lead a round, or nothing."""
         held = self.host.accumulator.progress(self.core.step).ids
         action = self.core.decide(_now(), held)
         if isinstance(action, Download):
@@ -525,6 +542,17 @@ def _owner_flags(owners: Any, members: int) -> tuple[bool, ...]:
             and owners == sorted(set(owners)) and owners):
         raise bad_input("owners must be a non-empty sorted list of member indices")
     return tuple(i in owners for i in range(members))
+
+
+def _poll_outcome(poll: asyncio.Task, stage: int) -> None:
+    """A finished poll's outcome: a mate's transport trouble is only logged, anything else raised."""
+    if poll.cancelled():
+        return
+    exc = poll.exception()
+    if isinstance(exc, (TransportError, RpcError, TimeoutError)):
+        log.debug("stage %d sync poll: %s", stage, exc)
+    elif exc is not None:
+        raise exc
 
 
 def _now() -> float:

@@ -666,7 +666,9 @@ class Trainer:
         peers = await self._usable_peers(stage, benched_too=True)
         skips = self._info_skips[stage]
         loop = asyncio.get_running_loop()
-        skipped = skips.skipped(loop.time())
+        # Peers withheld for slowness hold nothing this trainer sent them (but a probe), and
+        # waiting for their answers would hold every commit watch to their pace.
+        skipped = skips.skipped(loop.time()) | self.wiring[stage].withheld(time.time())
         asked = [peer for peer in peers if peer.peer_id not in skipped] or peers
         calls = {asyncio.create_task(self._info(stage, peer), name=f"stage.info {stage} {peer.addr}"): peer
                  for peer in asked}

@@ -17,9 +17,13 @@ long stall cannot make a peer look 75x slower for hundreds of picks (the paper's
 whole elapsed time); the estimate recovers with the next replies. A peer that times out
 `bench_after` times in a row is benched (left out of picks) for `bench_initial_s`, doubling with
 each further timeout up to `bench_max_s`; when the bench lifts the next call probes it, and one
-reply clears its record. `busy` charges the peer one more request and reroutes; a connection error
-or a typed failure bans the peer until it re-announces (its announcement changes or expires), or,
-so that a fixed table cannot starve a stage for ever, until `max_ban_s` has passed.
+reply clears its record. A peer far slower than its stage's fastest (`slow_factor`) is withheld
+from picks while that one is usable, except one probe call every `slow_probe_s` whose reply
+replaces its estimate: a stage's step waits for its slowest member's share and all-reduce part, so
+routing it even a little work costs every step more than its compute adds. `busy` charges the
+peer one more request and reroutes; a connection error or a typed failure bans the peer until it
+re-announces (its announcement changes or expires), or, so that a fixed table cannot starve a
+stage for ever, until `max_ban_s` has passed.
 
 Pure: the caller passes the wall-clock `now` and the measured durations; tests drive it directly.
 """
@@ -66,6 +70,17 @@ class WiringConfig:
     bench_after: int = 2
     bench_initial_s: float = 5.0
     bench_max_s: float = 300.0
+    # A peer whose measured seconds per sample exceed this many times its stage's fastest usable
+    # peer's gets no work (its mates take its share), but for one probe every slow_probe_s. A stage
+    # commits a step only once every microbatch is held and its holders' all-reduce parts are in:
+    # a peer 4x slower than its mates (a shared or throttled host, docs/chaos.md `slow_peer`) holds
+    # up every step it gets one microbatch of, by more than its compute saves its mates; below 4x
+    # the weighted routing (fewer picks for a slower peer) is the better use of it.
+    slow_factor: float = 4.0
+    # How often a withheld slow peer is given one call to measure it again (its reply replaces
+    # its estimate, so a peer that recovered rejoins at once). Each probe can delay one step by the
+    # slow peer's time; every 20 s that is a few percent of the stage's time.
+    slow_probe_s: float = 20.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,6 +93,8 @@ class WiringConfig:
             raise ValueError("timeout_factor and timeout_floor_s must be positive, timeout_penalty >= 1")
         if self.bench_after < 1 or not 0 < self.bench_initial_s <= self.bench_max_s:
             raise ValueError("bench_after must be >= 1 and 0 < bench_initial_s <= bench_max_s")
+        if not (self.slow_factor > 1 and self.slow_probe_s > 0):
+            raise ValueError("slow_factor must be > 1 and slow_probe_s positive")
 
     def weight(self, kind: Kind) -> float:
         """Cost of one sample of `kind` in forward-equivalents."""
@@ -121,6 +138,7 @@ class Pick:
     peer: StagePeer
     kind: Kind
     samples: int
+    probe: bool = False  # a withheld slow peer's probe: its reply replaces the peer's estimate
 
 
 @dataclass
@@ -144,6 +162,7 @@ class StageWiring:
         self._bans: dict[bytes, _Ban] = {}
         self._strikes: dict[bytes, int] = {}  # consecutive timeouts
         self._benched: dict[bytes, float] = {}  # peer id -> until (wall clock)
+        self._probe_at: dict[bytes, float] = {}  # slow peers withheld: peer id -> next probe (wall clock)
 
     # ------------------------------------------------------------------ membership
 
@@ -163,6 +182,7 @@ class StageWiring:
         self._speed = {pid: s for pid, s in self._speed.items() if pid in fresh}
         self._strikes = {pid: n for pid, n in self._strikes.items() if pid in fresh}
         self._benched = {pid: t for pid, t in self._benched.items() if pid in fresh}
+        self._probe_at = {pid: t for pid, t in self._probe_at.items() if pid in fresh}
 
     def ban(self, peer: StagePeer, now: float, reason: str) -> bool:
         """True when this newly bans the peer (concurrent calls often fail on the same dead peer).
@@ -187,10 +207,29 @@ class StageWiring:
     def _excluded(self, now: float) -> set[bytes]:
         self._lift_expired_bans(now)
         self._lift_expired_benches(now)
-        return self._bans.keys() | self._benched.keys()
+        out = self._bans.keys() | self._benched.keys()
+        return out | self.withheld(now, out)
+
+    def withheld(self, now: float, excluded: set[bytes] | None = None) -> set[bytes]:
+        """Peers withheld from picks for slowness now (`slow_factor`): their probe is not due. The
+        fastest is taken among the peers not banned or benched (`excluded`), so a slow peer is
+        used again, at once, when its faster mates are gone."""
+        if excluded is None:
+            self._lift_expired_bans(now)
+            self._lift_expired_benches(now)
+            excluded = self._bans.keys() | self._benched.keys()
+        rates = {pid: s.seconds_per_sample for pid, s in self._speed.items()
+                 if s.measured and pid in self._peers and pid not in excluded}
+        fastest = min(rates.values(), default=0.0)
+        slow = {pid for pid, spp in rates.items() if fastest > 0 and spp > self.config.slow_factor * fastest}
+        for peer_id in [pid for pid in self._probe_at if pid not in slow]:
+            del self._probe_at[peer_id]
+        for peer_id in slow:
+            self._probe_at.setdefault(peer_id, now + self.config.slow_probe_s)
+        return {pid for pid in slow if now < self._probe_at[pid]}
 
     def usable(self, now: float, benched_too: bool = False) -> list[StagePeer]:
-        """Announced peers not banned, and (unless `benched_too`) not benched."""
+        """Announced peers not banned, and (unless `benched_too`) not benched nor withheld for slowness."""
         excluded = self._excluded(now)
         if benched_too:
             excluded = set(self._bans)
@@ -230,8 +269,15 @@ class StageWiring:
             heapq.heappush(self._heap, entry)
         if chosen is None:
             return None
+        probe = chosen in self._probe_at
+        if probe:
+            # Withheld until now, its key stayed behind its mates': charged from where they are,
+            # so a peer that turns out fast again is not handed a burst of work.
+            self._probe_at[chosen] = now + self.config.slow_probe_s
+            rest = [k for pid, k in self._key.items() if pid != chosen and pid not in excluded]
+            self._key[chosen] = max(self._key[chosen], min(rest, default=self._key[chosen]))
         self._set_key(chosen, self._key[chosen] + self.expected_seconds(chosen, samples, kind))
-        return Pick(self._peers[chosen], kind, samples)
+        return Pick(self._peers[chosen], kind, samples, probe)
 
     def again(self, peer_id: bytes, samples: int, kind: Kind, now: float) -> Pick | None:
         """The same peer once more (a retry of a call that timed out there: if it did complete,
@@ -257,7 +303,10 @@ class StageWiring:
         return min(max(wanted, self.config.timeout_floor_s), ceiling_s)
 
     def completed(self, pick: Pick, elapsed_s: float) -> None:
-        """A whole RPC took `elapsed_s` of wall time: that is the peer's measured speed."""
+        """A whole RPC took `elapsed_s` of wall time: that is the peer's measured speed (a probe's
+        alone: the estimate of a slow peer is otherwise all from before it was withheld)."""
+        if pick.probe:
+            self._speed.pop(pick.peer.peer_id, None)
         self._measure(pick, elapsed_s)
         self._strikes.pop(pick.peer.peer_id, None)
 

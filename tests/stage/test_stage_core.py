@@ -69,6 +69,22 @@ def test_the_smallest_peer_of_the_lineage_leads_once_the_step_is_covered():
     assert a.decide(0.0, frozenset({0})) is None and a.uncovered == [1]
 
 
+
+def test_a_mate_that_holds_nothing_is_no_round_member_and_does_not_lead():
+    """Steps: peers 1, 2, 3 at one step; 2 and 3 hold all four microbatches, 1 (the smallest id,
+    say a stopped peer the trainers route nothing to) holds none. Expected: 1 leads nothing; 2
+    leads a round of 2 and 3 only (a round never waits for a member that adds nothing); once 3 also
+    holds nothing, 2 leads a round of itself alone."""
+    a, b = core(1), core(2)
+    a.observe(0.0, [mate(2, ids={0, 1}), mate(3, ids={2, 3})], [], [bytes([2]) * 4, bytes([3]) * 4])
+    assert a.decide(0.0, frozenset()) is None
+    b.observe(0.0, [mate(1), mate(3, ids={2, 3})], [], [bytes([1]) * 4, bytes([3]) * 4])
+    lead = b.decide(0.0, frozenset({0, 1}))
+    assert isinstance(lead, Lead) and [p for p, _ in lead.members] == [bytes([2]) * 4, bytes([3]) * 4]
+    b.observe(0.1, [mate(1), mate(3)], [], [bytes([1]) * 4, bytes([3]) * 4])
+    lead = b.decide(0.1, frozenset({0, 1, 2, 3}))
+    assert isinstance(lead, Lead) and [p for p, _ in lead.members] == [bytes([2]) * 4]
+
 def test_a_slow_mate_shields_its_ids_for_the_grace_then_they_are_missing():
     a = core(1)
     a.observe(0.0, [mate(2, ids={2})], [], [bytes([2]) * 4])
@@ -214,9 +230,10 @@ def test_a_mate_of_the_round_just_committed_gets_defer_s_to_show_the_new_step():
     c.observe(11.2, views, [], [bytes([2]) * 4, bytes([3]) * 4])
     lead = c.decide(11.2, frozenset({4, 5}))
     assert isinstance(lead, Lead) and [p for p, _ in lead.members] == [c.peer_id, bytes([2]) * 4]
-    c.observe(11.3, [mate(2, ids={6, 7}, step=1, digest=step1), mate(3, step=1, digest=step1)], [],
+    c.observe(11.3, [mate(2, ids={6, 7}, step=1, digest=step1), mate(3, ids={5}, step=1, digest=step1)], [],
               [bytes([2]) * 4, bytes([3]) * 4])
-    assert len(c.decide(11.3, frozenset({4, 5})).members) == 3  # its view caught up: it is a member again
+    # Its view caught up (and it holds some of the step): it is a member again.
+    assert len(c.decide(11.3, frozenset({4})).members) == 3
 
 
 def test_a_lone_mate_ahead_is_believed_only_when_confirmed_or_when_this_step_went_quiet():

@@ -110,8 +110,8 @@ async def test_a_committed_step_frees_the_boxes_of_its_rounds(kit, client):
 
 
 class HungMate:
-    """A stage-mate that reports holding every microbatch of step 0, accepts the round, and then
-    never answers a part (as a SIGSTOPped process would not)."""
+    """A stage-mate that reports holding every microbatch of step 0 but the first, accepts the
+    round, and then never answers a part (as a SIGSTOPped process would not)."""
 
     def __init__(self, spec) -> None:
         self.spec = spec
@@ -126,8 +126,8 @@ class HungMate:
 
     async def progress(self, req: Request) -> Message:
         n = self.spec.batch.microbatches_per_step
-        return Message({"peer_id": MATE, "step": 0, "state": "serving", "held": [[0, n]], "claimed": [],
-                        "digest": initial_digest(self.spec.seed, STAGE), "samples": B * n, "in_round": False,
+        return Message({"peer_id": MATE, "step": 0, "state": "serving", "held": [[1, n]], "claimed": [],
+                        "digest": initial_digest(self.spec.seed, STAGE), "samples": B * (n - 1), "in_round": False,
                         "protocol": ROUND_PROTOCOL},
                        codec="none")
 
@@ -146,10 +146,11 @@ class HungMate:
 
 async def test_an_aborted_round_stops_sending_to_a_hung_mate(kit, client):
     """Steps: a real peer and a hung mate (it accepts the round, then never answers a part) form a
-    stage; the real peer leads a round (it has the smaller id) and blocks sending its part to the
-    mate; the test aborts that round on the real peer, as another member would.
+    stage; the real peer gets microbatch 0 (the mate holds the others), leads a round (it has the
+    smaller id) and blocks sending its part to the mate; the test aborts that round on the real
+    peer, as another member would.
     Expected: the real peer leaves the round at once, long before its round_timeout_s (600 s here;
-    the test gives up after 30), and puts its gradients back (none were taken: it held none)."""
+    the test gives up after 30), and puts its gradient back (microbatch 0 is held again)."""
     spec = kit.make_spec(stages=3)
     mate = HungMate(spec)
     rpc = await RpcServer.serve_tcp(mate.router, "127.0.0.1", 0)
@@ -160,6 +161,9 @@ async def test_an_aborted_round_stops_sending_to_a_hung_mate(kit, client):
     peer = await kit.start_peer(spec, STAGE, 1, directory, limits)
     try:
         async with asyncio.timeout(30):
+            g = torch.Generator().manual_seed(0)
+            await kit.call(client, peer, "stage.backward", STAGE, 0, 0,
+                           [torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g)])
             await mate.joined.wait()
             while not peer.service.sync.in_round:
                 await asyncio.sleep(0.01)
@@ -169,7 +173,7 @@ async def test_an_aborted_round_stops_sending_to_a_hung_mate(kit, client):
             while peer.service.sync.in_round:
                 await asyncio.sleep(0.01)
         assert "aborted" in (peer.service.sync.last_failure or "")
-        assert peer.service.committed == 0
+        assert peer.service.committed == 0 and peer.service.accumulator.progress(0).ids == {0}
     finally:
         await peer.close()
         await pool.close()

@@ -121,8 +121,9 @@ class LoopbackSwarm:
                 await self.add_peer(stage, bytes([stage, k]) * 16)
         return self
 
-    async def add_peer(self, stage: int, peer_id: bytes) -> ServedPeer:
-        router = Router()
+    async def add_peer(self, stage: int, peer_id: bytes, router: Router | None = None) -> ServedPeer:
+        """`router`: the one the peer serves on (a test's, e.g. one that stalls every call)."""
+        router = Router() if router is None else router
         server = StageServer(router)
         rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
         pool = Pool()

@@ -43,14 +43,14 @@ def test_ema_is_bias_corrected():
 def test_smallest_expected_finish_wins():
     stage = stage_of("ab")
     measure(stage, "a", samples_per_s=100)
-    measure(stage, "b", samples_per_s=10)
+    measure(stage, "b", samples_per_s=40)  # within slow_factor of a: weighted, not withheld
     a, b = b"a", b"b"
     # The next pick goes to whichever key is smaller, and charges samples / speed.
     first = min((a, b), key=stage.key)
     before = stage.key(first)
     pick = stage.choose(10, Kind.FORWARD, NOW)
     assert pick.peer.peer_id == first
-    per_sample = 1 / 100 if first == a else 1 / 10
+    per_sample = 1 / 100 if first == a else 1 / 40
     assert stage.key(first) == pytest.approx(before + 10 * per_sample)
 
 
@@ -99,7 +99,8 @@ def test_distribution_matches_measured_speeds():
     """Peers running at 10, 20 and 40 samples/s (each RPC's time jittered ±30%, seeded) get about
     1/7, 2/7 and 4/7 of 7000 picks."""
     rng = random.Random(3)
-    stage = stage_of("abc", WiringConfig(seed=7))
+    # a is 4x slower than c, at slow_factor's default with the jitter around it: weighing alone here.
+    stage = stage_of("abc", WiringConfig(seed=7, slow_factor=8))
     speeds = {b"a": 10.0, b"b": 20.0, b"c": 40.0}
     counts = collections.Counter()
     for _ in range(7000):
@@ -263,4 +264,42 @@ def test_config_is_checked():
         WiringConfig(timeout_penalty=0.5)
     with pytest.raises(ValueError):
         WiringConfig(bench_initial_s=10, bench_max_s=5)
+    with pytest.raises(ValueError):
+        WiringConfig(slow_factor=1)
     assert math.isinf(Throughput(0.1).samples_per_s)
+
+
+def test_a_peer_far_slower_than_its_mates_gets_no_work_but_a_probe():
+    """Steps: peers a (100 samples/s) and b (10: 10x slower, past slow_factor 4) measured; pick 50
+    times; then slow_probe_s later pick again and b answers the probe fast (100 samples/s).
+    Expected: while withheld b gets none of the 50 picks and is not usable (so the trainer's commit
+    watch does not wait for it); the probe goes to b, its reply replaces b's estimate, and b is no
+    longer withheld and gets about its share of the next picks, not a burst (its key starts where
+    a's is, charged the probe at its old estimate). With a banned,
+    b is the stage's only peer and is used at once."""
+    config = WiringConfig(seed=1, slow_probe_s=20.0)
+    stage = stage_of("ab", config)
+    measure(stage, "a", samples_per_s=100)
+    measure(stage, "b", samples_per_s=10, times=1)
+    assert stage.withheld(NOW) == {b"b"}
+    assert [p.peer_id for p in stage.usable(NOW)] == [b"a"]
+    picks = [stage.choose(10, Kind.FORWARD, NOW + i * 0.1) for i in range(50)]
+    assert {p.peer.peer_id for p in picks} == {b"a"}
+    for pick in picks:
+        stage.completed(pick, 0.1)
+
+    later = NOW + 20.0
+    probe = stage.choose(10, Kind.FORWARD, later)
+    assert probe.peer.peer_id == b"b" and probe.probe
+    assert stage.key(b"b") >= stage.key(b"a")  # charged from where a is, not from its old key
+    assert stage.withheld(later) == {b"b"}  # the next probe is due slow_probe_s later
+    stage.completed(probe, 0.1)  # fast again: the probe's reply alone is its estimate
+    assert stage.withheld(later) == set()
+    after = [stage.choose(10, Kind.FORWARD, later).peer.peer_id for _ in range(30)]
+    assert 5 <= after.count(b"b") <= 15  # used again, at its share: no burst
+
+    slow = stage_of("ab", config)
+    measure(slow, "a", samples_per_s=100)
+    measure(slow, "b", samples_per_s=10, times=1)
+    slow.ban(peer("a"), NOW, "gone")
+    assert slow.withheld(NOW) == set() and slow.choose(10, Kind.FORWARD, NOW).peer.peer_id == b"b"

@@ -1,0 +1,107 @@
+"""A stage-mate stopped most of the time (a SIGSTOP duty cycle, bench/chaos_goodput.py `slow_peer`)
+must not set the stage's pace: the trainer withholds work from it (wiring `slow_factor`), its mate
+commits without it (a peer that holds nothing is no round member) and it catches up by download.
+Real stage peers on loopback; the stall is a router that holds every call the peer gets while it
+is "stopped", so its compute, its answers and its round parts all wait, as under SIGSTOP."""
+
+import asyncio
+import time
+
+from swarmd.reference import ReferenceTrainer
+from swarmd.train.events import StepEvent
+from swarmd.train.trainer import Trainer
+from transport.message import Router
+
+STEPS = 14
+MEASURED_FROM = 6  # the first steps measure the peers (the stalled one is withheld once measured)
+PERIOD_S, STOPPED = 0.2, 0.75  # stopped 150 ms of every 200 ms: about 4x slower in everything
+
+
+class StalledRouter(Router):
+    """A router whose unary calls wait while `running` is clear (the duty cycle sets it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = asyncio.Event()
+        self.running.set()
+        self.held = 0  # calls that had to wait: the stall did hit this peer
+
+    def unary(self, name, handler):
+        async def stalled(req):
+            if not self.running.is_set():
+                self.held += 1
+                await self.running.wait()
+            return await handler(req)
+
+        super().unary(name, stalled)
+
+    async def duty_cycle(self) -> None:
+        """Stopped `STOPPED` of every `PERIOD_S`; always left running."""
+        try:
+            while True:
+                self.running.clear()
+                await asyncio.sleep(PERIOD_S * STOPPED)
+                self.running.set()
+                await asyncio.sleep(PERIOD_S * (1 - STOPPED))
+        finally:
+            self.running.set()
+
+
+async def steps_per_s(spec, data, swarm_, pools, kit) -> tuple[float, list[StepEvent]]:
+    """Train STEPS steps with one trainer; steps per second from MEASURED_FROM on."""
+    events: list[StepEvent] = []
+    at: dict[int, float] = {}
+
+    def on_event(event) -> None:
+        if isinstance(event, StepEvent):
+            events.append(event)
+            at[event.step] = time.monotonic()
+
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=kit.TRAINER_CONFIG,
+                      on_event=on_event)
+    await asyncio.wait_for(trainer.run(0, STEPS), timeout=120)
+    return (STEPS - 1 - MEASURED_FROM) / (at[STEPS - 1] - at[MEASURED_FROM]), events
+
+
+def assert_exact(events: list[StepEvent], spec) -> None:
+    """I1 as the trainer sees it: every step's stage record summed global_samples, nothing twice."""
+    assert [e.step for e in events] == list(range(STEPS))
+    for e in events:
+        assert e.stage_samples == (spec.batch.global_samples,) and e.duplicates == (0,), e
+
+
+async def test_a_stalled_mate_does_not_set_the_stage_pace(tiny_job, swarm, pools, kit):
+    """Steps: a one-stage job, 4 microbatches per step, one trainer. First the stage has one peer
+    (its mate-less rate); then a new swarm of two peers, the one with the smaller id (which would
+    lead every round) stalled: every call it gets waits while it is stopped, 150 ms of every 200 ms.
+    Expected: the two-peer stage's steps per second (after the first steps, which measure the
+    peers) are at least 0.6 of the mate-less rate (before: the stalled peer got microbatches, led
+    the rounds and took part in every one: ~0.3); every step summed each microbatch once (I1); both
+    peers end on the reference's parameters within 1e-5 (I2: the stalled one by download)."""
+    spec, data = tiny_job(optim="sgd", lr=0.1, stages=1, global_samples=16, microbatch_samples=4, in_flight=2)
+    alone, events = await steps_per_s(spec, data, await swarm(spec, peers_per_stage=1), pools, kit)
+    assert_exact(events, spec)
+
+    swarm_ = await swarm(spec, peers_per_stage=0)
+    router = StalledRouter()
+    stalled = await swarm_.add_peer(0, b"\x01" * 32, router)
+    await swarm_.add_peer(0, b"\x02" * 32)
+    async with asyncio.TaskGroup() as tasks:
+        cycle = tasks.create_task(router.duty_cycle())
+        try:
+            rate, events = await steps_per_s(spec, data, swarm_, pools, kit)
+        finally:
+            cycle.cancel()
+    print(f"steps/s: mate-less {alone:.1f}, with a stalled mate {rate:.1f} ({rate / alone:.2f}); "
+          f"{router.held} calls held by the stall")
+    assert router.held > 0
+    assert_exact(events, spec)
+    assert rate >= 0.6 * alone
+
+    reference = ReferenceTrainer(spec, data)
+    reference.train(STEPS)
+    deadline = time.monotonic() + 20
+    while stalled.service.committed != STEPS:  # it catches up by download once it runs
+        assert time.monotonic() < deadline, stalled.service.committed
+        await asyncio.sleep(0.05)
+    assert kit.max_relative_difference(swarm_, reference) <= 1e-5
