@@ -24,6 +24,20 @@ def global_losses(events, global_samples):
     return [by_step[s] / global_samples for s in sorted(by_step)]
 
 
+async def mates_identical_at(swarm_, steps: int) -> None:
+    """Every stage's two peers committed `steps` and hold the same parameters, bit for bit (I2). A
+    trainer moves on once one peer reports the commit; its mate applies it a moment later."""
+    for _ in range(100):
+        if all(peer.service.committed == steps for peer in swarm_.peers):
+            break
+        await asyncio.sleep(0.1)
+    for stage in range(swarm_.spec.pipeline.stages):
+        first, second = swarm_.of_stage(stage)
+        assert first.service.committed == second.service.committed == steps
+        for a, b in zip(first.service.stage.parameters(), second.service.stage.parameters()):
+            assert torch.equal(a, b), stage
+
+
 async def run_trainers(spec, data, swarm_, pools, kit, shards=2, steps=5):
     events = []
     trainers = [Trainer(spec, kit.JOB_ID, swarm_.directory, pool, data, shard=k, shards=shards,
@@ -88,15 +102,7 @@ async def test_the_fp16_all_reduce_default_keeps_every_steps_loss_near_the_refer
           f"max relative loss difference {loss_diff:.2e}, parameters {worst:.2e}")
     assert len(losses) == 5 and loss_diff <= 1e-4
     assert worst <= 2e-3
-    for _ in range(100):  # a trainer moves on once one peer reports the commit; its mate a moment later
-        if all(peer.service.committed == 5 for peer in swarm_.peers):
-            break
-        await asyncio.sleep(0.1)
-    for stage in range(3):
-        first, second = swarm_.of_stage(stage)
-        assert first.service.committed == second.service.committed == 5
-        for a, b in zip(first.service.stage.parameters(), second.service.stage.parameters()):
-            assert torch.equal(a, b), stage
+    await mates_identical_at(swarm_, 5)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["on_device", "optimizer_offload"])
@@ -212,15 +218,9 @@ async def test_fp16_stages_scale_losses_and_follow_the_fp16_reference(tiny_job, 
           f"{[round(s.loss, 4) for s in ref_steps]} ({worst:.1e}); reference skips {ref_skips}; scales "
           f"{[p.service.opt.loss_scale for p in swarm_.peers]} vs {[s.scale for s in reference.scalers]}")
     assert len(losses) == 6 and worst <= 1e-3
-    for _ in range(100):  # a trainer moves on once one peer reports the commit; its mate a moment later
-        if all(peer.service.committed == 6 for peer in swarm_.peers):
-            break
-        await asyncio.sleep(0.1)
+    await mates_identical_at(swarm_, 6)
     for stage in range(3):
         first, second = swarm_.of_stage(stage)
-        assert first.service.committed == second.service.committed == 6
         assert first.service.opt.loss_scale == second.service.opt.loss_scale == reference.scalers[stage].scale
-        for a, b in zip(first.service.stage.parameters(), second.service.stage.parameters()):
-            assert torch.equal(a, b), stage
     skipped = [any(math.isinf(r.grad_norm) for r in p.service.records) for p in swarm_.peers]
     assert any(skipped) == any(any(s) for s in ref_skips) == (loss_scale > 2.0 ** 20)
