@@ -140,6 +140,13 @@ def base_rootfs() -> Path:
     return path
 
 
+#: Wheel tags the containers' glibc (bookworm: 2.36) runs. pip matches each tag exactly, so every
+#: one a dependency may be published under is named: safetensors ships manylinux_2_17 only, and a
+#: list of manylinux_2_28 alone found no wheel for it.
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64")
+
+
 def wheelhouse() -> Path:
     """Wheels for swarmd's dependencies, fetched on the host (the containers have no route out)."""
     path = CACHE / "wheelhouse"
@@ -151,9 +158,9 @@ def wheelhouse() -> Path:
     say(f"downloading dependency wheels into {path}")
     scratch = CACHE / "wheel-scratch"
     wheel = build_wheel(scratch)
+    platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
     sh([sys.executable, "-m", "pip", "download", "-q", "-d", str(path), "--only-binary", ":all:",
-        "--python-version", "3.11", "--platform", "manylinux_2_28_x86_64", str(wheel), "torch==2.13.0"],
-       timeout=900)
+        "--python-version", "3.11", *platforms, str(wheel), "torch==2.13.0"], timeout=900)
     for own in path.glob("swarmd-*.whl"):
         own.unlink()
     shutil.rmtree(scratch, ignore_errors=True)
