@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -76,6 +77,28 @@ class StageHost(Protocol):
     async def catch_up(self, download: Download) -> None: ...
 
     def spawn(self, coro: Coroutine, name: str) -> asyncio.Task: ...
+
+
+@dataclass
+class _RoundRun:
+    """One round as this member runs it: what its phases share, and what its failure, abort and
+    settling read."""
+
+    round_id: bytes
+    step: int
+    members: list[tuple[bytes, str]]
+    owners: tuple[bool, ...]
+    me: int  # this peer's member index
+    box: RoundBox | None = None  # None until the mailbox opened (or marked joined) the round's box
+    outcome: str = "failed"  # "committed"; "left out" clears this peer's sum; "failed" puts it back
+    late: list[bytes] = field(default_factory=list)  # members late here, noted late when the round settles
+    sending: bool = False  # this peer's own parts are leaving: a timeout then makes it the straggler
+    abort: bool = True  # tell the others the round failed here (False: left out alike by every owner)
+    cleared: tuple[int, ...] = ()  # the members this peer's plan left out, named in its abort
+
+    @property
+    def ids(self) -> list[bytes]:
+        return [p for p, _ in self.members]
 
 
 class StageSync:
@@ -277,93 +300,123 @@ class StageSync:
 
     async def _round(self, round_id: bytes, step: int, members: list[tuple[bytes, str]],
                      owners: tuple[bool, ...]) -> None:
+        """This member's part of one round: reduce-scatter, plan, all-gather, commit. A failure is
+        told to the others (`_round_failed`); whatever happened, what the round took is settled."""
         ids = [p for p, _ in members]
-        me = ids.index(self.core.peer_id)
+        run = _RoundRun(round_id, step, members, owners, ids.index(self.core.peer_id))
         host, limits = self.host, self.host.limits
         taken = await host.in_aux(host.accumulator.take, step)
-        box: RoundBox | None = None
-        outcome, late, sending, abort, cleared = "failed", [], False, True, ()
         try:
-            box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True, owners=owners)
+            run.box = box = self.mailbox.box(round_id, step, ids, self.core.peer_id, host.numel, join=True,
+                                             owners=owners)
             flat = await host.in_aux(host.flatten, taken.grads)
             mine = Contribution(frozenset(taken.ids), taken.samples)
             rates = [self.rate if p == self.core.peer_id else self.core.rate_of(p) for p in ids]
             reduce_s, gather_s = phase_deadlines(host.numel, limits.allreduce_codec, owners, rates,
                                                  limits.round_timeout_floor_s, limits.round_timeout_s,
                                                  limits.round_time_margin)
-            # Reduce-scatter: every member's copy of this member's shard, until its deadline.
-            lo, hi = box.bounds[me]
-            box.put_part(me, 0, flat[lo:hi], mine)
-            head = {"ids": encode_ranges(mine.ids), "samples": mine.samples}
-            try:
-                async with asyncio.timeout(reduce_s):
-                    sending = True
-                    await _unless_failed(box, self._send(round_id, step, members, "stage.sync.reduce",
-                                                         self._packer(flat, box), head))
-                    sending = False
-                    await box.wait(box.reduced_ready)
-            except TimeoutError:
-                if sending:
-                    raise
-                # Late members are left out: the round goes on without them if none owns a shard
-                # and the prompt members' sums cover the step (their own plans then differ from
-                # every owner's, and they do not commit).
-                late = [ids[i] for i in box.late_members()]
-                if any(owners[i] for i in box.late_members()):
-                    raise RoundFailed(f"members {box.late_members()} own shards and were late") from None
-            prompt = box.prompt()
-            plan = self._plan(box, prompt, step)
-            if not plan.covered:
-                if me in plan.left_out:
-                    outcome = "left out"
-                # The abort names the members the plan left out: one that has not seen every sum
-                # yet (a slow member's part still on its way) clears its own all the same, or the
-                # same conflict would come back every round.
-                cleared = plan.left_out
-                raise RoundFailed(f"the kept sums of {len(prompt)} prompt members cover {_covered(box, plan)} of "
-                                  f"{len(self.core.step_ids(step))} microbatches ({len(plan.left_out)} members' "
-                                  f"sums overlap)")
-            box.kept = plan.kept
-            # All-gather: every owner's reduced shard, and its plan, until its deadline.
-            reduced, pieces, outliers = await host.in_aux(_reduce_shard, box, limits, plan.kept)
-            box.put_gather(me, 0, reduced, outliers, plan.kept)
-            async with asyncio.timeout(gather_s):
-                if owners[me]:  # a member that owns no shard has nothing to send: nobody waits for it
-                    sending = True
-                    await _unless_failed(box, self._send(round_id, step, members, "stage.sync.gather",
-                                                         _to_everyone(pieces),
-                                                         {"outliers": outliers, "kept": list(plan.kept)}))
-                    sending = False
-                await box.wait(box.gathered_ready)
-            plans = {box.plans[i] for i in range(len(ids)) if owners[i]}
-            if plans != {plan.kept}:
-                # The owners saw other members as prompt. Left out by all of them alike (late
-                # here), this member only leaves: they commit, and it downloads their state.
-                abort = not (len(plans) == 1 and me not in next(iter(plans)))
-                raise RoundFailed(f"the owners' plans differ from this member's ({sorted(plans)} vs {plan.kept})")
-            flagged = tuple(sorted(ids[i].hex() for i in box.outliers))
-            if flagged:
-                log.warning("stage %d step %d: outlier gradients from %s", host.stage_index, step, flagged)
-            await host.commit(step, round_id, box.full, [ids[i] for i in prompt], plan, flagged)
-            outcome = "committed"
-            if late:
-                self.core.note_late(_now(), late)
-                log.info("stage %d step %d committed without %d late members", host.stage_index, step, len(late))
+            await self._reduce_scatter(run, box, flat, mine, reduce_s)
+            prompt, plan = self._covering_plan(run, box)
+            await self._all_gather(run, box, plan, gather_s)
+            self._check_owners_plans(run, box, plan)
+            await self._commit(run, box, prompt, plan)
         except (RoundFailed, TransportError, RpcError, TimeoutError) as exc:
-            self.last_failure = f"step {step}: {type(exc).__name__}: {exc}"
-            timed_out = isinstance(exc, TimeoutError)
-            if timed_out and box is not None and not sending:
-                late = [ids[i] for i in box.late_members()]  # stragglers: left out of this peer's next rounds
-            log.info("stage %d round %s failed: %s", host.stage_index, round_id.hex()[:8], exc)
-            # Timed out while its own parts were still leaving: this peer is the straggler, and says so.
-            if box is not None and box.cleared and outcome == "failed":
-                outcome = "left out"  # a mate's plan left this member's sum out (its abort said so)
-            if abort:  # only a deadline makes a member leave: a plan that cannot commit fails on every member
-                await self._abort(round_id, [m for m in members if m[0] != self.core.peer_id], timed_out and sending,
-                                  leaving=timed_out, cleared=cleared)
+            await self._round_failed(run, exc)
         finally:
             self.mailbox.drop(round_id)
-            await asyncio.shield(self._settle(round_id, step, ids, late, outcome))
+            await asyncio.shield(self._settle(round_id, step, ids, run.late, run.outcome))
+
+    async def _reduce_scatter(self, run: _RoundRun, box: RoundBox, flat: torch.Tensor, mine: Contribution,
+                              seconds: float) -> None:
+        """Reduce-scatter: every member's copy of this member's shard, until its deadline."""
+        lo, hi = box.bounds[run.me]
+        box.put_part(run.me, 0, flat[lo:hi], mine)
+        head = {"ids": encode_ranges(mine.ids), "samples": mine.samples}
+        try:
+            async with asyncio.timeout(seconds):
+                run.sending = True
+                await _unless_failed(box, self._send(run.round_id, run.step, run.members, "stage.sync.reduce",
+                                                     self._packer(flat, box), head))
+                run.sending = False
+                await box.wait(box.reduced_ready)
+        except TimeoutError:
+            if run.sending:
+                raise
+            # Late members are left out: the round goes on without them if none owns a shard
+            # and the prompt members' sums cover the step (their own plans then differ from
+            # every owner's, and they do not commit).
+            run.late = [run.ids[i] for i in box.late_members()]
+            if any(run.owners[i] for i in box.late_members()):
+                raise RoundFailed(f"members {box.late_members()} own shards and were late") from None
+
+    def _covering_plan(self, run: _RoundRun, box: RoundBox) -> tuple[list[int], RoundPlan]:
+        """The prompt members and the plan over their sums, which must cover the step."""
+        step = run.step
+        prompt = box.prompt()
+        plan = self._plan(box, prompt, step)
+        if not plan.covered:
+            if run.me in plan.left_out:
+                run.outcome = "left out"
+            # The abort names the members the plan left out: one that has not seen every sum
+            # yet (a slow member's part still on its way) clears its own all the same, or the
+            # same conflict would come back every round.
+            run.cleared = plan.left_out
+            raise RoundFailed(f"the kept sums of {len(prompt)} prompt members cover {_covered(box, plan)} of "
+                              f"{len(self.core.step_ids(step))} microbatches ({len(plan.left_out)} members' "
+                              f"sums overlap)")
+        box.kept = plan.kept
+        return prompt, plan
+
+    async def _all_gather(self, run: _RoundRun, box: RoundBox, plan: RoundPlan, seconds: float) -> None:
+        """All-gather: every owner's reduced shard, and its plan, until its deadline."""
+        limits = self.host.limits
+        reduced, pieces, outliers = await self.host.in_aux(_reduce_shard, box, limits, plan.kept)
+        box.put_gather(run.me, 0, reduced, outliers, plan.kept)
+        async with asyncio.timeout(seconds):
+            if run.owners[run.me]:  # a member that owns no shard has nothing to send: nobody waits for it
+                run.sending = True
+                await _unless_failed(box, self._send(run.round_id, run.step, run.members, "stage.sync.gather",
+                                                     _to_everyone(pieces),
+                                                     {"outliers": outliers, "kept": list(plan.kept)}))
+                run.sending = False
+            await box.wait(box.gathered_ready)
+
+    def _check_owners_plans(self, run: _RoundRun, box: RoundBox, plan: RoundPlan) -> None:
+        """Every owner's plan must be this member's, or the round fails here."""
+        plans = {box.plans[i] for i in range(len(run.ids)) if run.owners[i]}
+        if plans != {plan.kept}:
+            # The owners saw other members as prompt. Left out by all of them alike (late
+            # here), this member only leaves: they commit, and it downloads their state.
+            run.abort = not (len(plans) == 1 and run.me not in next(iter(plans)))
+            raise RoundFailed(f"the owners' plans differ from this member's ({sorted(plans)} vs {plan.kept})")
+
+    async def _commit(self, run: _RoundRun, box: RoundBox, prompt: list[int], plan: RoundPlan) -> None:
+        """Step on the gathered sum; the late members the round went on without are noted late."""
+        host, ids, step = self.host, run.ids, run.step
+        flagged = tuple(sorted(ids[i].hex() for i in box.outliers))
+        if flagged:
+            log.warning("stage %d step %d: outlier gradients from %s", host.stage_index, step, flagged)
+        await host.commit(step, run.round_id, box.full, [ids[i] for i in prompt], plan, flagged)
+        run.outcome = "committed"
+        if run.late:
+            self.core.note_late(_now(), run.late)
+            log.info("stage %d step %d committed without %d late members", host.stage_index, step, len(run.late))
+
+    async def _round_failed(self, run: _RoundRun, exc: RoundFailed | TransportError | RpcError | TimeoutError) -> None:
+        """Record the failure, find the stragglers and this peer's outcome, and tell the others."""
+        box = run.box
+        self.last_failure = f"step {run.step}: {type(exc).__name__}: {exc}"
+        timed_out = isinstance(exc, TimeoutError)
+        if timed_out and box is not None and not run.sending:
+            run.late = [run.ids[i] for i in box.late_members()]  # stragglers: left out of this peer's next rounds
+        log.info("stage %d round %s failed: %s", self.host.stage_index, run.round_id.hex()[:8], exc)
+        if box is not None and box.cleared and run.outcome == "failed":
+            run.outcome = "left out"  # a mate's plan left this member's sum out (its abort said so)
+        if run.abort:  # only a deadline makes a member leave: a plan that cannot commit fails on every member
+            # Timed out while its own parts were still leaving: this peer is the straggler, and says so.
+            straggler = timed_out and run.sending
+            await self._abort(run.round_id, [m for m in run.members if m[0] != self.core.peer_id], straggler,
+                              leaving=timed_out, cleared=run.cleared)
 
     def _plan(self, box: RoundBox, prompt: list[int], step: int) -> RoundPlan:
         """The round's plan over the `prompt` members' sums, in member indices."""
