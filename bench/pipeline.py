@@ -467,13 +467,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # the wire measurement's stage peers share this process
     wire = measure_wire(raw, list(args.codecs), args.wire_steps)
-    report["wire_bytes_per_sample"] = {c: round(w["bytes_per_sample"], 1) for c, w in wire.items()}
-    if "none" in wire:
-        report["wire_ratio_to_none"] = {c: round(w["bytes_per_sample"] / wire["none"]["bytes_per_sample"], 4)
-                                        for c, w in wire.items()}
-    report["wire_method"] = ("TCP_INFO bytes_acked + bytes_received of an in-process trainer's loopback "
-                             "connections to one StageService per stage, hello excluded; "
-                             f"{args.wire_steps} steps per codec, compute RPCs and stage.info polls")
+    report.update(wire_report(wire, args.wire_steps))
 
     with tempfile.TemporaryDirectory(prefix="swarmd-pipeline-") as tmp:
         try:
@@ -489,14 +483,35 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     local_rate = sum(r["samples_per_s"] for r in local) / len(local)
     report["local"] = {"samples_per_s": local_rate, "before": local[0], "after": local[1]}
     report["local_samples_per_s"] = round(local_rate, 3)
-    gs = spec.batch.global_samples
+    report.update(swarm_report(run, trainer, args, spec.batch.global_samples, local_rate, wire))
+    report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return report
+
+
+def wire_report(wire: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
+    """The in-process wire bytes per sample by codec, and each codec's ratio to `none` (if measured)."""
+    report: dict[str, Any] = {"wire_bytes_per_sample": {c: round(w["bytes_per_sample"], 1) for c, w in wire.items()}}
+    if "none" in wire:
+        report["wire_ratio_to_none"] = {c: round(w["bytes_per_sample"] / wire["none"]["bytes_per_sample"], 4)
+                                        for c, w in wire.items()}
+    report["wire_method"] = ("TCP_INFO bytes_acked + bytes_received of an in-process trainer's loopback "
+                             "connections to one StageService per stage, hello excluded; "
+                             f"{steps} steps per codec, compute RPCs and stage.info polls")
+    return report
+
+
+def swarm_report(run: SwarmRun, trainer: str, args: argparse.Namespace, gs: int, local_rate: float,
+                 wire: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The swarm's figures: its no-fault rate (and its ratio to the local one), its own wire bytes
+    (cross-checked against the in-process figure for its codec), and the fault window's."""
     calm = tuple(n for n in ("no_faults", "no_faults_before", "no_faults_after") if n in run.windows)
     no_faults = run.window(calm, gs)
-    report["swarm"] = {**no_faults, "peers": args.stages * args.peers_per_stage, "trainers": args.trainers,
-                       "startup_s": run.startup_s, "job_state": run.job_state,
-                       "windows": {n: run.window((n,), gs) for n in calm}}
-    report["swarm_samples_per_s"] = round(no_faults["samples_per_s"], 3)
-    report["swarm_to_local_ratio"] = round(no_faults["samples_per_s"] / local_rate, 4)
+    report: dict[str, Any] = {
+        "swarm": {**no_faults, "peers": args.stages * args.peers_per_stage, "trainers": args.trainers,
+                  "startup_s": run.startup_s, "job_state": run.job_state,
+                  "windows": {n: run.window((n,), gs) for n in calm}},
+        "swarm_samples_per_s": round(no_faults["samples_per_s"], 3),
+        "swarm_to_local_ratio": round(no_faults["samples_per_s"] / local_rate, 4)}
     counted = run.wire(calm, trainer, gs)
     per_sample = counted["trainer_bytes_per_sample"]
     report["swarm"]["wire"] = {"codec": args.codec, **{k: round(v, 1) if isinstance(v, float) else v
@@ -505,20 +520,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.codec in wire and per_sample:  # the cross-check: daemons' counters against the kernel's
         report["swarm_wire_to_in_process"] = round(per_sample / wire[args.codec]["bytes_per_sample"], 4)
     if "faults" in run.windows:
-        faults = run.window(("faults",), gs)
-        rejoins = [k.rejoin_s for k in run.kills if k.rejoin_s is not None]
-        report["faults"] = {
-            **faults, "preemptions": len(run.kills), "kill_every_s": args.kill_every,
-            "ratio_to_no_faults": (round(faults["samples_per_s"] / no_faults["samples_per_s"], 4)
-                                   if no_faults["samples_per_s"] > 0 else None),
-            "rejoined": len(rejoins), "mean_rejoin_s": round(sum(rejoins) / len(rejoins), 2) if rejoins else None,
-            "skipped_ticks": run.skipped_ticks,
-            "restart_failures": sum(1 for k in run.kills if k.failed),
-            "victims": [{"peer": k.victim, "stage": k.stage, "rejoin_s": k.rejoin_s and round(k.rejoin_s, 2),
-                         "failed": k.failed} for k in run.kills],
-        }
-    report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+        report["faults"] = faults_report(run, args, gs, no_faults)
     return report
+
+
+def faults_report(run: SwarmRun, args: argparse.Namespace, gs: int, no_faults: dict[str, Any]) -> dict[str, Any]:
+    """The fault window's rate (and its ratio to the no-fault one), the preemptions and the rejoins."""
+    faults = run.window(("faults",), gs)
+    rejoins = [k.rejoin_s for k in run.kills if k.rejoin_s is not None]
+    return {
+        **faults, "preemptions": len(run.kills), "kill_every_s": args.kill_every,
+        "ratio_to_no_faults": (round(faults["samples_per_s"] / no_faults["samples_per_s"], 4)
+                               if no_faults["samples_per_s"] > 0 else None),
+        "rejoined": len(rejoins), "mean_rejoin_s": round(sum(rejoins) / len(rejoins), 2) if rejoins else None,
+        "skipped_ticks": run.skipped_ticks,
+        "restart_failures": sum(1 for k in run.kills if k.failed),
+        "victims": [{"peer": k.victim, "stage": k.stage, "rejoin_s": k.rejoin_s and round(k.rejoin_s, 2),
+                     "failed": k.failed} for k in run.kills],
+    }
 
 
 def _codecs(text: str) -> tuple[str, ...]:
