@@ -228,11 +228,88 @@ def test_transport_bytes_and_dht_lookups_move_on_a_real_daemon(spawn, swarmctl) 
 
 #: A's hello deadline (network.handshake_timeout_s), short so the slow-loris part ends soon.
 HANDSHAKE_DEADLINE_S = 4.0
+#: The flood: this many tasks of one peer ping A for this long.
+FLOOD_TASKS, FLOOD_S = 8, 2.0
 
 
 def deltas(before: dict, after: dict, name: str, reasons: tuple[str, ...]) -> dict[str, float]:
     """Per reason, how much `name{reason}` grew; every reason of the closed set must be a series."""
     return {r: sample(after, name, reason=r) - sample(before, name, reason=r) for r in reasons}
+
+
+async def flood(address: str) -> int:
+    """A peer of its own identity pings `address` from FLOOD_TASKS tasks for FLOOD_S; the number of
+    `rate_limited` answers it got (any other refusal fails the test)."""
+    pool = Pool(RpcConfig(identity=Identity.generate()))
+    limited = 0
+    stop = asyncio.Event()
+
+    async def pinger() -> None:
+        nonlocal limited
+        while not stop.is_set():
+            try:
+                await pool.call(address, dht_protocol.PING, Message({}), timeout=10)
+            except RemoteError as exc:
+                assert exc.code == "rate_limited", exc
+                limited += 1
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(FLOOD_TASKS):
+                tg.create_task(pinger())
+            await asyncio.sleep(FLOOD_S)
+            stop.set()
+    finally:
+        await pool.close()
+    return limited
+
+
+async def store_forged_records(address: str) -> list[str]:
+    """One STORE of four records, each refused for another reason; the results `address` answers."""
+    me, victim = Identity.generate(), Identity.generate()
+    key, value, later = dht_key("metrics-test", b"signals"), b"forged", time.time() + 600
+    payload = signing_payload(key, victim.peer_id, value, later)
+    forged = [
+        sign_record(me, key, victim.peer_id, value, later),  # our signature on another's subkey
+        Record(key, victim.peer_id, value, later, me.sign(payload), victim.public_key),  # their key, our signature
+        Record(key, me.peer_id, value, later),  # no signature at all
+        sign_record(me, key, me.peer_id, value, time.time() - 1),  # already expired
+    ]
+    pool = Pool(RpcConfig(identity=me))
+    try:
+        reply = await pool.call(address, dht_protocol.STORE, Message(dht_protocol.store_request(key, forged)),
+                                timeout=10)
+    finally:
+        await pool.close()
+    return reply.meta["results"]
+
+
+async def spoof_hello(address: str) -> None:
+    """A peer claims another key's id: its call to `address` must fail in the hello."""
+    mine, victim = Identity.generate(), Identity.generate()
+    pool = Pool(RpcConfig(identity=Identity(mine.private_key, victim.public_key, peer_id_of(victim.public_key))))
+    try:
+        with pytest.raises(HandshakeError):
+            await pool.call(address, dht_protocol.PING, Message({}), timeout=10)
+    finally:
+        await pool.close()
+
+
+async def slowloris(host: str, port: int) -> None:
+    """Three TCP connections that never send a hello, held until the daemon closes each."""
+    silent = []
+    try:
+        for _ in range(3):
+            silent.append(await asyncio.open_connection(host, port))
+        # A closes each: the third at once, the others at its hello deadline (after its
+        # own hello and a "refused" frame, which we read past).
+        async with asyncio.timeout(HANDSHAKE_DEADLINE_S * 3):
+            for reader, _ in silent:
+                while await reader.read(65536):
+                    pass
+    finally:
+        for _, writer in silent:
+            writer.close()
 
 
 @pytest.mark.slow
@@ -260,86 +337,20 @@ def test_security_signals_count_each_attack_on_a_real_daemon(spawn) -> None:
     assert {dict(labels)["reason"] for name, labels in start if name == records} == {*REJECTION_REASONS, *VALUE_REFUSALS}
     assert not any("peer" in key for _, labels in start for key, _ in labels)
 
-    async def flood() -> int:
-        pool = Pool(RpcConfig(identity=Identity.generate()))
-        limited = 0
-        stop = asyncio.Event()
-
-        async def pinger() -> None:
-            nonlocal limited
-            while not stop.is_set():
-                try:
-                    await pool.call(a.address, dht_protocol.PING, Message({}), timeout=10)
-                except RemoteError as exc:
-                    assert exc.code == "rate_limited", exc
-                    limited += 1
-
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for _ in range(8):
-                    tg.create_task(pinger())
-                await asyncio.sleep(2.0)
-                stop.set()
-        finally:
-            await pool.close()
-        return limited
-
-    limited = asyncio.run(flood())
+    limited = asyncio.run(flood(a.address))
     flooded = scrape(a)
     assert limited > 0
     assert sample(flooded, "swarmd_rpc_rate_limited_total") - sample(start, "swarmd_rpc_rate_limited_total") == limited
 
-    async def bad_store() -> list[str]:
-        me, victim = Identity.generate(), Identity.generate()
-        key, value, later = dht_key("metrics-test", b"signals"), b"forged", time.time() + 600
-        payload = signing_payload(key, victim.peer_id, value, later)
-        forged = [
-            sign_record(me, key, victim.peer_id, value, later),  # our signature on another's subkey
-            Record(key, victim.peer_id, value, later, me.sign(payload), victim.public_key),  # their key, our signature
-            Record(key, me.peer_id, value, later),  # no signature at all
-            sign_record(me, key, me.peer_id, value, time.time() - 1),  # already expired
-        ]
-        pool = Pool(RpcConfig(identity=me))
-        try:
-            reply = await pool.call(a.address, dht_protocol.STORE,
-                                    Message(dht_protocol.store_request(key, forged)), timeout=10)
-        finally:
-            await pool.close()
-        return reply.meta["results"]
-
-    assert asyncio.run(bad_store()) == ["wrong_owner", "bad_signature", "unsigned", "expired"]
+    assert asyncio.run(store_forged_records(a.address)) == ["wrong_owner", "bad_signature", "unsigned", "expired"]
     stored = scrape(a)
     expected = {r: float(r in ("wrong_owner", "bad_signature", "unsigned", "expired")) for r in REJECTION_REASONS}
     assert deltas(flooded, stored, records, REJECTION_REASONS) == expected
 
-    async def spoof() -> None:
-        mine, victim = Identity.generate(), Identity.generate()
-        pool = Pool(RpcConfig(identity=Identity(mine.private_key, victim.public_key, peer_id_of(victim.public_key))))
-        try:
-            with pytest.raises(HandshakeError):
-                await pool.call(a.address, dht_protocol.PING, Message({}), timeout=10)
-        finally:
-            await pool.close()
-
-    asyncio.run(spoof())
+    asyncio.run(spoof_hello(a.address))
     wait_for(lambda: deltas(start, scrape(a), hellos, ("spoofed_id",))["spoofed_id"], 30, "A to count the spoofed hello")
 
-    async def slowloris() -> None:
-        silent = []
-        try:
-            for _ in range(3):
-                silent.append(await asyncio.open_connection(host, int(port)))
-            # A closes each: the third at once, the others at its hello deadline (after its
-            # own hello and a "refused" frame, which we read past).
-            async with asyncio.timeout(HANDSHAKE_DEADLINE_S * 3):
-                for reader, _ in silent:
-                    while await reader.read(65536):
-                        pass
-        finally:
-            for _, writer in silent:
-                writer.close()
-
-    asyncio.run(slowloris())
+    asyncio.run(slowloris(host, int(port)))
     expected = {r: 0.0 for r in HANDSHAKE_FAILURE_REASONS} | {"spoofed_id": 1.0, "unproven_limit": 1.0, "deadline": 2.0}
     wait_for(lambda: deltas(start, scrape(a), hellos, ("deadline",))["deadline"] >= 2, 30,
              "A to count the silent connections' deadlines")
