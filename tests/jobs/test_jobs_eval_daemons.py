@@ -80,7 +80,23 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
                  60, "both stages served", interval=0.5)
     assert a.client.job(job_id)["eval_loss"] is None  # nothing evaluated yet
 
-    if source == "files":
+    job = train(kit, a, job_id, data, valid if source == "files" else None)
+    check_eval_reported(kit, a, job_id, job)
+    check_eval_plotted(a, job_id, job, root, spec_path)
+
+    # The exported model of step 4, on the same held-out samples.
+    for daemon in (a, b):
+        kit.wait_for(lambda: len(daemon.client.status()["serving"]["stages"]) == 0, 60,
+                     f"{daemon.name} to leave the job", interval=0.5)
+    loss = exported_eval_loss(a, job_id, root / "export", b.socket.parent / "state", spec, spec_path)
+    print(f"held-out loss after {STEPS} steps: swarm {job['eval_loss']:.8f}, exported model {loss:.8f}")
+    assert abs(loss - job["eval_loss"]) <= 1e-5 * abs(job["eval_loss"])
+
+
+def train(kit, a, job_id: str, data: Path, valid: Path | None) -> dict:
+    """Train the job to its end on `a` (a held-out file of its own: refused without `--eval-data`);
+    the job as `a` reports it then, done."""
+    if valid is not None:
         refused = ctl(a, "train", job_id, "--data", str(data))
         assert refused.returncode != EXIT_OK and "eval.files: " in refused.stderr, refused
         trained = ctl(a, "train", job_id, "--data", str(data), "--eval-data", str(valid))
@@ -90,7 +106,11 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
     kit.wait_for(lambda: kit.finished(a, job_id), 240, "training to finish", interval=0.5)
     job = a.client.job(job_id)
     assert job["state"] == "done", a.client.logs(job_id)
+    return job
 
+
+def check_eval_reported(kit, a, job_id: str, job: dict) -> None:
+    """The last eval loss in job.get, the step events, `swarmctl job` and `logs`, and the metrics."""
     # job.get: the last evaluation, of the parameters after the last step.
     assert job["eval_step"] == STEPS and isinstance(job["eval_loss"], float) and math.isfinite(job["eval_loss"])
     # Step events: evaluations after steps 2 and 4, each of the 6 samples.
@@ -110,7 +130,9 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
     assert metrics['swarmd_trainer_evaluations_total{outcome="ok"}'] == 2
     assert metrics['swarmd_trainer_evaluations_total{outcome="given_up"}'] == 0
 
-    # swarmctl plot: the swarm's eval curve beside the baseline's, which evaluates the same samples.
+
+def check_eval_plotted(a, job_id: str, job: dict, root: Path, spec_path: Path) -> None:
+    """swarmctl plot: the swarm's eval curve beside the baseline's, which evaluates the same samples."""
     plotted = ctl(a, "--json", "plot", job_id, "-o", str(root / "eval.png"), "--spec", str(spec_path))
     assert plotted.returncode == EXIT_OK, plotted.stderr
     summary = json.loads(plotted.stdout)
@@ -119,12 +141,11 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
     assert summary["baseline_eval_loss"] == pytest.approx(job["eval_loss"], rel=1e-4)  # parameters within 1e-5
     assert (root / "eval.png").stat().st_size > 0
 
-    # The exported model of step 4, on the same held-out samples.
-    for daemon in (a, b):
-        kit.wait_for(lambda: len(daemon.client.status()["serving"]["stages"]) == 0, 60,
-                     f"{daemon.name} to leave the job", interval=0.5)
-    out = root / "export"
-    exported = ctl(a, "--json", "export", job_id, "-o", str(out), "--state-dir", str(b.socket.parent / "state"))
+
+def exported_eval_loss(a, job_id: str, out: Path, state_dir: Path, spec, spec_path: Path) -> float:
+    """Export the job's model of step STEPS through `a` (stage 1 from `state_dir`) and return its
+    mean loss over the held-out samples."""
+    exported = ctl(a, "--json", "export", job_id, "-o", str(out), "--state-dir", str(state_dir))
     assert exported.returncode == EXIT_OK, exported.stderr
     assert json.loads(exported.stdout)["step"] == STEPS
     model = load_model(out)
@@ -132,6 +153,4 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
                                   evaluation=spec.eval)
     with torch.no_grad():
         batches = [held_out.eval_batch(i) for i in range(held_out.eval_batch_count())]
-        loss = math.fsum(model(b.inputs, b.targets).item() for b in batches) / sum(len(b.sample_indices) for b in batches)
-    print(f"held-out loss after {STEPS} steps: swarm {job['eval_loss']:.8f}, exported model {loss:.8f}")
-    assert abs(loss - job["eval_loss"]) <= 1e-5 * abs(job["eval_loss"])
+        return math.fsum(model(b.inputs, b.targets).item() for b in batches) / sum(len(b.sample_indices) for b in batches)
