@@ -48,6 +48,10 @@ class RpcConfig:
     max_undelivered_bytes: int = 256 * MiB
     # Seconds a closing connection waits for queued frames to leave before it aborts.
     close_timeout_s: float = 2.0
+    # A connection refused at accept (admit_local) stays half-open this long, its input discarded,
+    # so a hello written after our refusal does not meet a closed socket and cost the peer the
+    # reason; a peer that reads the refusal hangs up at once. Bounds a refused socket's life.
+    refusal_linger_s: float = 1.0
     # Server side: connections still in their hello (not yet welcomed) from one source host. An
     # honest host dials us once per pool plus a few parallel DHT dials; 16 leaves room for NAT'd
     # neighbours while one host cannot hold more than 16 of our slots for handshake_timeout_s.
@@ -79,7 +83,7 @@ class RpcConfig:
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "heartbeat_interval_s", "default_timeout_s",
-                     "close_timeout_s"):
+                     "close_timeout_s", "refusal_linger_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RpcConfig.{name} must be positive, got {getattr(self, name)!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

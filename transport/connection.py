@@ -166,7 +166,7 @@ class Connection(asyncio.Protocol):
             self._proto.peercred = sockopts.peercred(sock)
         self._proto.address = transport.get_extra_info("peername")
         if self._admit_local is not None and (reason := self._local_refusal()) is not None:
-            self._refuse(HandshakeError(f"admission refused: {reason}", "admission"))
+            self._refuse(HandshakeError(f"admission refused: {reason}", "admission"), linger=True)
             return
         if self._gate is not None:
             source = source_of(self._address, self._proto.peercred)
@@ -484,13 +484,23 @@ class Connection(asyncio.Protocol):
         if self._transport is not None:
             await asyncio.shield(self._closed)
 
-    def _refuse(self, error: HandshakeError) -> None:
-        """End a failed hello with its reason, so the peer's operator sees why, then hang up."""
-        if self._proto.closed is not None or self._transport is None:
+    def _refuse(self, error: HandshakeError, linger: bool = False) -> None:
+        """End a failed hello with its reason, so the peer's operator sees why, then hang up.
+
+        `linger`: refused at accept, before the peer's hello was read, which may still be on its
+        way. A socket closed under it makes the peer's write fail (EPIPE; a reset on TCP) and its
+        event loop drop the connection with our reason unread. So only our side is shut, and what
+        arrives is discarded until the peer hangs up or `refusal_linger_s` passes."""
+        transport = self._transport
+        if self._proto.closed is not None or transport is None:
             return
         self._socket_writelines()(self._proto.refusal_frame(error))
         self._shutdown(error)
-        self._transport.close()
+        if linger and transport.can_write_eof():
+            transport.write_eof()
+            self._loop.call_later(self._config.refusal_linger_s, transport.abort)
+        else:
+            transport.close()
 
     async def _drain(self, busy: Callable[[], bool]) -> None:
         """Wait while `busy()` (queued frames, running handlers), at most `close_timeout_s`."""

@@ -20,7 +20,9 @@ each further timeout up to `bench_max_s`; when the bench lifts the next call pro
 reply clears its record. A peer far slower than its stage's fastest (`slow_factor`) is withheld
 from picks while that one is usable, except one probe call every `slow_probe_s` whose reply
 replaces its estimate: a stage's step waits for its slowest member's share and all-reduce part, so
-routing it even a little work costs every step more than its compute adds. `busy` charges the
+routing it even a little work costs every step more than its compute adds. Slowness is judged on
+the median of a peer's last `slow_window` replies, once it has that many, so a newcomer's cold
+first call does not withhold it. `busy` charges the
 peer one more request and reroutes; a connection error or a typed failure bans the peer until it
 re-announces (its announcement changes or expires), or, so that a fixed table cannot starve a
 stage for ever, until `max_ban_s` has passed.
@@ -33,6 +35,8 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -81,6 +85,12 @@ class WiringConfig:
     # its estimate, so a peer that recovered rejoins at once). Each probe can delay one step by the
     # slow peer's time; every 20 s that is a few percent of the stage's time.
     slow_probe_s: float = 20.0
+    # A peer is judged slow (and judges others, as the stage's fastest) on the median of its last
+    # this many replies, and only once it has that many: a fresh process's first call pays one-time
+    # costs (a connection's handshake, lazy initialisation, a cold allocator) that can be 10x its
+    # pace, and the EMA keeps a third of that first reply's weight after three replies. Judged on
+    # one reply, a newcomer (a joining or a moved peer) was withheld for slow_probe_s at once.
+    slow_window: int = 3
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -93,8 +103,8 @@ class WiringConfig:
             raise ValueError("timeout_factor and timeout_floor_s must be positive, timeout_penalty >= 1")
         if self.bench_after < 1 or not 0 < self.bench_initial_s <= self.bench_max_s:
             raise ValueError("bench_after must be >= 1 and 0 < bench_initial_s <= bench_max_s")
-        if not (self.slow_factor > 1 and self.slow_probe_s > 0):
-            raise ValueError("slow_factor must be > 1 and slow_probe_s positive")
+        if not (self.slow_factor > 1 and self.slow_probe_s > 0 and self.slow_window >= 1):
+            raise ValueError("slow_factor must be > 1, slow_probe_s positive and slow_window at least 1")
 
     def weight(self, kind: Kind) -> float:
         """Cost of one sample of `kind` in forward-equivalents."""
@@ -107,12 +117,14 @@ class WiringConfig:
 
 class Throughput:
     """Bias-corrected EMA of forward-equivalent seconds per sample (Adam-style correction: the
-    first measurements are not dragged towards the zero the average starts from)."""
+    first measurements are not dragged towards the zero the average starts from), and the last
+    `window` replies, whose median judges slowness without one outlier's long tail."""
 
-    def __init__(self, alpha: float) -> None:
+    def __init__(self, alpha: float, window: int = 1) -> None:
         self.alpha = alpha
         self._ema = 0.0
         self._count = 0
+        self._recent: deque[float] = deque(maxlen=window)
 
     @property
     def measured(self) -> bool:
@@ -121,6 +133,13 @@ class Throughput:
     def update(self, seconds_per_sample: float) -> None:
         self._ema = self.alpha * seconds_per_sample + (1 - self.alpha) * self._ema
         self._count += 1
+        self._recent.append(seconds_per_sample)
+
+    def recent_median(self) -> float | None:
+        """The median of the last `window` replies; None until there are that many."""
+        if len(self._recent) < (self._recent.maxlen or 0):
+            return None
+        return statistics.median(self._recent)
 
     @property
     def seconds_per_sample(self) -> float:
@@ -218,8 +237,8 @@ class StageWiring:
             self._lift_expired_bans(now)
             self._lift_expired_benches(now)
             excluded = self._bans.keys() | self._benched.keys()
-        rates = {pid: s.seconds_per_sample for pid, s in self._speed.items()
-                 if s.measured and pid in self._peers and pid not in excluded}
+        rates = {pid: spp for pid, spp in ((pid, self._judged_rate(pid, s)) for pid, s in self._speed.items()
+                                          if pid in self._peers and pid not in excluded) if spp is not None}
         fastest = min(rates.values(), default=0.0)
         slow = {pid for pid, spp in rates.items() if fastest > 0 and spp > self.config.slow_factor * fastest}
         for peer_id in [pid for pid in self._probe_at if pid not in slow]:
@@ -227,6 +246,13 @@ class StageWiring:
         for peer_id in slow:
             self._probe_at.setdefault(peer_id, now + self.config.slow_probe_s)
         return {pid for pid in slow if now < self._probe_at[pid]}
+
+    def _judged_rate(self, peer_id: bytes, speed: Throughput) -> float | None:
+        """Seconds per sample that slowness is judged on: a withheld peer's probe reply (its
+        estimate alone), anyone else's median of `slow_window` replies; None: not judged yet."""
+        if peer_id in self._probe_at:
+            return speed.seconds_per_sample if speed.measured else None
+        return speed.recent_median()
 
     def usable(self, now: float, benched_too: bool = False) -> list[StagePeer]:
         """Announced peers not banned, and (unless `benched_too`) not benched nor withheld for slowness."""
@@ -345,7 +371,7 @@ class StageWiring:
         peer_id = pick.peer.peer_id
         if peer_id not in self._peers or pick.samples <= 0:
             return
-        speed = self._speed.setdefault(peer_id, Throughput(self.config.ema_alpha))
+        speed = self._speed.setdefault(peer_id, Throughput(self.config.ema_alpha, self.config.slow_window))
         speed.update(max(elapsed_s, 0.0) / (pick.samples * self.config.weight(pick.kind)))
 
     def _seconds_per_sample(self, peer_id: bytes) -> float:

@@ -5,6 +5,7 @@ Real stage peers on loopback; the stall is a router that holds every call the pe
 is "stopped", so its compute, its answers and its round parts all wait, as under SIGSTOP."""
 
 import asyncio
+import collections
 import time
 
 from swarmd.reference import ReferenceTrainer
@@ -13,6 +14,9 @@ from swarmd.train.trainer import Trainer
 from transport.message import Router
 
 STEPS = 14
+#: What a stalled peer must stop getting: compute from the trainer, round calls from its mate.
+WORK_CALLS = {"stage.forward", "stage.backward", "stage.forward_backward", "stage.sync.round", "stage.sync.reduce",
+              "stage.sync.gather"}
 MEASURED_FROM = 6  # the first steps measure the peers (the stalled one is withheld once measured)
 PERIOD_S, STOPPED = 0.2, 0.75  # stopped 150 ms of every 200 ms: about 4x slower in everything
 
@@ -25,9 +29,11 @@ class StalledRouter(Router):
         self.running = asyncio.Event()
         self.running.set()
         self.held = 0  # calls that had to wait: the stall did hit this peer
+        self.arrived: list[tuple[float, str]] = []  # (monotonic time, RPC name) of every call
 
     def unary(self, name, handler):
         async def stalled(req):
+            self.arrived.append((time.monotonic(), name))
             if not self.running.is_set():
                 self.held += 1
                 await self.running.wait()
@@ -47,8 +53,9 @@ class StalledRouter(Router):
             self.running.set()
 
 
-async def steps_per_s(spec, data, swarm_, pools, kit) -> tuple[float, list[StepEvent]]:
-    """Train STEPS steps with one trainer; steps per second from MEASURED_FROM on."""
+async def steps_per_s(spec, data, swarm_, pools, kit) -> tuple[float, list[StepEvent], float]:
+    """Train STEPS steps with one trainer; steps per second from MEASURED_FROM on, and when step
+    MEASURED_FROM committed (monotonic)."""
     events: list[StepEvent] = []
     at: dict[int, float] = {}
 
@@ -60,7 +67,7 @@ async def steps_per_s(spec, data, swarm_, pools, kit) -> tuple[float, list[StepE
     trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=kit.TRAINER_CONFIG,
                       on_event=on_event)
     await asyncio.wait_for(trainer.run(0, STEPS), timeout=120)
-    return (STEPS - 1 - MEASURED_FROM) / (at[STEPS - 1] - at[MEASURED_FROM]), events
+    return (STEPS - 1 - MEASURED_FROM) / (at[STEPS - 1] - at[MEASURED_FROM]), events, at[MEASURED_FROM]
 
 
 def assert_exact(events: list[StepEvent], spec) -> None:
@@ -74,12 +81,13 @@ async def test_a_stalled_mate_does_not_set_the_stage_pace(tiny_job, swarm, pools
     """Steps: a one-stage job, 4 microbatches per step, one trainer. First the stage has one peer
     (its mate-less rate); then a new swarm of two peers, the one with the smaller id (which would
     lead every round) stalled: every call it gets waits while it is stopped, 150 ms of every 200 ms.
-    Expected: the two-peer stage's steps per second (after the first steps, which measure the
-    peers) are at least 0.6 of the mate-less rate (before: the stalled peer got microbatches, led
-    the rounds and took part in every one: ~0.3); every step summed each microbatch once (I1); both
-    peers end on the reference's parameters within 1e-5 (I2: the stalled one by download)."""
+    Expected: after the first steps, which measure the peers, the stalled peer gets no compute
+    call and no round call (before: it got microbatches, led the rounds and took part in every
+    one, and the stage ran at ~0.3 of its mate-less rate; printed here, measured by the bench);
+    every step summed each microbatch once (I1); both peers end on the reference's parameters
+    within 1e-5 (I2: the stalled one by download)."""
     spec, data = tiny_job(optim="sgd", lr=0.1, stages=1, global_samples=16, microbatch_samples=4, in_flight=2)
-    alone, events = await steps_per_s(spec, data, await swarm(spec, peers_per_stage=1), pools, kit)
+    alone, events, _ = await steps_per_s(spec, data, await swarm(spec, peers_per_stage=1), pools, kit)
     assert_exact(events, spec)
 
     swarm_ = await swarm(spec, peers_per_stage=0)
@@ -89,14 +97,18 @@ async def test_a_stalled_mate_does_not_set_the_stage_pace(tiny_job, swarm, pools
     async with asyncio.TaskGroup() as tasks:
         cycle = tasks.create_task(router.duty_cycle())
         try:
-            rate, events = await steps_per_s(spec, data, swarm_, pools, kit)
+            rate, events, measured_at = await steps_per_s(spec, data, swarm_, pools, kit)
         finally:
             cycle.cancel()
     print(f"steps/s: mate-less {alone:.1f}, with a stalled mate {rate:.1f} ({rate / alone:.2f}); "
           f"{router.held} calls held by the stall")
     assert router.held > 0
     assert_exact(events, spec)
-    assert rate >= 0.6 * alone
+    # Once measured it gets no compute (its probe is slow_probe_s away) and is no round member:
+    # the stage's pace is its mate's. (The rate is the bench's figure, chaos_goodput `slow_peer`:
+    # a ratio asserted here would measure this machine's load as much as the code.)
+    late = [name for t, name in router.arrived if t > measured_at and name in WORK_CALLS]
+    assert late == [], f"after step {MEASURED_FROM} the stalled peer still got {collections.Counter(late)}"
 
     reference = ReferenceTrainer(spec, data)
     reference.train(STEPS)

@@ -130,3 +130,32 @@ async def test_slow_loris_trickling_a_byte_a_second_is_dropped_at_the_handshake_
     finally:
         sock.close()
         await srv.close()
+
+
+async def test_a_client_refused_at_accept_can_still_write_its_hello_and_read_why(tmp_path):
+    """Steps: a Unix server whose admit_local refuses everyone; a raw client connects, reads the
+    refusal and the end of the server's output, and only then writes its hello (a loaded client
+    is that late); then it hangs up.
+    Expected: the hello is accepted by the socket (before: the server had closed at once, the
+    write failed with EPIPE, and swarmctl said "connection lost: Broken pipe" instead of the
+    reason under a loaded machine); the server drops the socket once the client hangs up, well
+    before refusal_linger_s."""
+    config = RpcConfig(refusal_linger_s=30.0)
+    server = await RpcServer.serve_unix(_router(), tmp_path / "s.sock", config=config,
+                                        admit_local=lambda peercred: "not you")
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, str(tmp_path / "s.sock"))
+        received = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), 5):
+            received += chunk
+        assert b"admission refused: not you" in received
+        await loop.sock_sendall(sock, b"a late hello" * 100)
+        sock.shutdown(socket.SHUT_WR)
+        # The server hangs up when the client does: the socket reads EOF, not a reset, at once.
+        assert await asyncio.wait_for(loop.sock_recv(sock, 1), 5) == b""
+    finally:
+        sock.close()
+        await server.close()
