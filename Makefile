@@ -24,9 +24,10 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 test-deps:
 	scripts/test-deps.sh
 
-# The whole suite; the slowest ten tests are listed at the end, so CI output shows where time goes.
+# The whole suite, in parallel but for the tests marked `serial` (scripts/run-tests.sh); each
+# phase lists its slowest ten tests, so CI output shows where time goes.
 test: $(STAMP) test-deps
-	$(PYTEST) --durations=10 tests
+	PYTEST="$(PYTEST)" scripts/run-tests.sh
 
 # The inner loop: no test that starts a process or a daemon (`slow`, enforced by tests/conftest.py).
 test-fast: $(STAMP)

@@ -12,7 +12,9 @@ import pytest
 
 from swarmd.plot import read_events
 
-pytestmark = pytest.mark.slow
+# A replacement must join within a run of 60 short steps: a second worker's load slows the join
+# more than the steps (the kills are on a clock).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def test_a_short_demo_trains_through_preemptions_and_cleans_up(tmp_path: Path, procs) -> None:
@@ -28,10 +30,11 @@ def test_a_short_demo_trains_through_preemptions_and_cleans_up(tmp_path: Path, p
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["state"] == "done" and summary["steps"] == 60
-    assert summary["preemptions"] >= 1 and summary["mean_rejoin_s"] is not None
-    assert summary["final_loss_ratio"] <= 1.03
-    assert "preempted peer" in run.stdout and "joined and serves stage" in run.stdout
+    told = run.stdout[-4000:]  # the demo's notes say what each preemption and join did, and when
+    assert summary["state"] == "done" and summary["steps"] == 60, told
+    assert summary["preemptions"] >= 1 and summary["mean_rejoin_s"] is not None, told
+    assert summary["final_loss_ratio"] <= 1.03, told
+    assert "preempted peer" in run.stdout and "joined and serves stage" in run.stdout, told
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">I", (out / "loss.png").read_bytes()[16:20])[0] > 0
 

@@ -61,6 +61,7 @@ def moves_of(daemon) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # samples/s before and after the move, under CPU quotas a second worker would crowd
 @pytest.mark.timeout(900)
 def test_a_peer_moves_to_the_bottleneck_and_throughput_rises(swarm, swarm_root: Path, swarmctl, cpu_quotas,
                                                               kit) -> None:

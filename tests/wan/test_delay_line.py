@@ -16,7 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
 from netns_link import WAN_MARKS, wan_link  # noqa: E402
 
-pytestmark = WAN_MARKS
+# Rates and round trips through a userspace delay line: a second test worker's load would skew them.
+pytestmark = [*WAN_MARKS, pytest.mark.serial]
 
 RATE_MBIT = 200
 # Past BBR's start-up and the receive window's autotuning at 100 ms (about 1 s here), with room.
