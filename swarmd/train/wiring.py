@@ -86,11 +86,12 @@ class WiringConfig:
     # slow peer's time; every 20 s that is a few percent of the stage's time.
     slow_probe_s: float = 20.0
     # A peer is judged slow (and judges others, as the stage's fastest) on the median of its last
-    # this many replies, and only once it has that many: a fresh process's first call pays one-time
-    # costs (a connection's handshake, lazy initialisation, a cold allocator) that can be 10x its
-    # pace, and the EMA keeps a third of that first reply's weight after three replies. Judged on
-    # one reply, a newcomer (a joining or a moved peer) was withheld for slow_probe_s at once.
-    slow_window: int = 3
+    # this many replies, and only once it has that many: a fresh process's first calls pay one-time
+    # costs (a connection's handshake, lazy initialisation, a cold allocator) that measured 10-20x
+    # its pace for its first two replies under load, and the EMA keeps a third of the first reply's
+    # weight after three. Judged on one reply, or on the median of three, a newcomer (a joining or
+    # a moved peer) was withheld for slow_probe_s at once; the median of five outlasts two.
+    slow_window: int = 5
     seed: int = 0
 
     def __post_init__(self) -> None:

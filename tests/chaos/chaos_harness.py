@@ -193,6 +193,38 @@ class Run:
         return "chaos so far:\n" + "\n".join(self.log) + "\n" + tails
 
 
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process ("T": stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def hang_and_resume(run: Run, swarm: LocalSwarm, hung: PeerProcess, stage: int, settle_steps: int) -> None:
+    """SIGSTOP a stage peer (its sockets stay open, it answers nothing): `settle_steps` commit
+    around it while it stays stopped; SIGCONT: it announces serving a step past the job's step at
+    the SIGCONT (it caught up from a mate and commits again)."""
+    run.note(f"SIGSTOP {hung.name} (stage {stage})")
+    swarm.stop(hung)
+    hung_at = run.last_step
+    run.wait_step(hung_at + settle_steps)
+    assert process_state(hung.pid) == "T", f"{hung.name} must have stayed stopped while the steps committed"
+    run.note(f"{run.last_step - hung_at} steps committed around the hung {hung.name}; SIGCONT")
+    swarm.cont(hung)
+    resumed_at = run.last_step
+    run.wait(f"{hung.name} to announce a step past the ones it slept through",
+             lambda v: run.serving_past(v, hung, stage, resumed_at))
+    run.note(f"{hung.name} caught up")
+
+
+def cancel(run: Run, trainer: PeerProcess) -> None:
+    """Cancel the job and set `run.steps` to the last step its trainer committed, so
+    `check_steps` checks every one of them from the first."""
+    trainer.client().cancel(run.job)
+    final = run.wait("the job to be cancelled", lambda v: v["state"] == "cancelled")
+    run.note(f"cancelled at step {final['step']}")
+    run.steps = max(e["step"] for e in trainer.client().logs(run.job) if e["kind"] == "step")
+    assert run.steps >= run.last_step - 1, f"step events end at {run.steps}, the job was at {run.last_step}"
+
+
 def submit(swarm: LocalSwarm, trainer: PeerProcess, raw_spec: dict[str, Any], data: Path) -> str:
     return trainer.client().submit(raw_spec, [str(data)])["job"]
 

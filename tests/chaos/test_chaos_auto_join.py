@@ -76,37 +76,12 @@ def test_a_self_placing_swarm_trains_through_a_hang_and_a_restart(tmp_path: Path
         (hung_stage, hung), (restarted_stage, restarted) = victims(run, placed)
         run.wait_step(SETTLE_STEPS)
 
-        run.note(f"SIGSTOP {hung.name} (stage {hung_stage})")
-        swarm.stop(hung)
-        hung_at = run.last_step
-        run.wait_step(hung_at + SETTLE_STEPS)
-        run.note(f"{run.last_step - hung_at} steps committed around the hung {hung.name}; SIGCONT")
-        swarm.cont(hung)
-        resumed_at = run.last_step
-        run.wait(f"{hung.name} to announce a step past the ones it slept through",
-                 lambda v: run.serving_past(v, hung, hung_stage, resumed_at))
-        run.note(f"{hung.name} caught up")
-
-        restarted_id = restarted.peer_id
-        run.note(f"restart {restarted.name} (stage {restarted_stage}), no swarmctl serve")
-        swarm.restart(restarted, wait=False)
-        down_at = run.last_step
-        run.wait_step(down_at + SETTLE_STEPS)
-        swarm.wait_ready([restarted])
-        assert restarted.peer_id == restarted_id, "a restart with the same state dir is the same peer"
-        back_at = run.last_step
-        run.wait(f"{restarted.name} to rejoin a stage on its own and serve past step {back_at}",
-                 lambda v: any(run.serving_past(v, restarted, i, back_at) for i in range(2)))
-        run.note(f"{restarted.name} rejoined and caught up")
+        ch.hang_and_resume(run, swarm, hung, hung_stage, SETTLE_STEPS)
+        restart_unpinned(run, swarm, restarted, restarted_stage)
         assert run.last_step + SETTLE_STEPS < STEPS, "every disturbance must land before the job's last step"
         run.wait_step(run.last_step + SETTLE_STEPS)
 
-        trainer.client().cancel(run.job)
-        final = run.wait("the job to be cancelled", lambda v: v["state"] == "cancelled")
-        run.note(f"cancelled at step {final['step']}")
-        # Every step the trainer committed before the cancel, from the first, is checked.
-        run.steps = max(e["step"] for e in trainer.client().logs(run.job) if e["kind"] == "step")
-        assert run.steps >= run.last_step - 1, f"step events end at {run.steps}, the job was at {run.last_step}"
+        ch.cancel(run, trainer)
         events = ch.check_steps(run, raw)
         memory = ch.check_memory(run)
         ch.dump(tmp_path / "chaos-auto.json", run, events, memory)
@@ -114,3 +89,19 @@ def test_a_self_placing_swarm_trains_through_a_hang_and_a_restart(tmp_path: Path
     finally:
         swarm.close()
     assert ch.processes_mentioning(str(tmp_path)) == []
+
+
+def restart_unpinned(run: ch.Run, swarm: LocalSwarm, restarted, stage: int) -> None:
+    """Step 3: restart a peer (same state dir and port) without `swarmctl serve`: steps go on
+    meanwhile, and it rejoins a stage on its own and serves past the step it came back at."""
+    restarted_id = restarted.peer_id
+    run.note(f"restart {restarted.name} (stage {stage}), no swarmctl serve")
+    swarm.restart(restarted, wait=False)
+    down_at = run.last_step
+    run.wait_step(down_at + SETTLE_STEPS)
+    swarm.wait_ready([restarted])
+    assert restarted.peer_id == restarted_id, "a restart with the same state dir is the same peer"
+    back_at = run.last_step
+    run.wait(f"{restarted.name} to rejoin a stage on its own and serve past step {back_at}",
+             lambda v: any(run.serving_past(v, restarted, i, back_at) for i in range(2)))
+    run.note(f"{restarted.name} rejoined and caught up")

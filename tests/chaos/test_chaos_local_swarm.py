@@ -33,10 +33,6 @@ SETTLE_STEPS = 10
 LAST_STEPS = 50
 
 
-def process_state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 @pytest.mark.slow
 def test_training_survives_kill_hang_restart_and_drain(tmp_path: Path) -> None:
     """1. Five daemons; peer0 trains, peer1+peer2 serve stage 0, peer3+peer4 stage 1.
@@ -62,52 +58,10 @@ def test_training_survives_kill_hang_restart_and_drain(tmp_path: Path) -> None:
         for peer, stage in ((p1, 0), (p2, 0), (p3, 1), (p4, 1)):
             run.serve(peer, stage)
         run.wait_step(SETTLE_STEPS)
-
-        run.note("SIGKILL peer1 (stage 0)")
-        swarm.kill(p1)
-        p5 = swarm.add()
-        run.serve(p5, 0)
-        run.note("peer5 serves stage 0")
-        run.wait_step(run.last_step + SETTLE_STEPS)
-
-        run.note("SIGSTOP peer3 (stage 1)")
-        swarm.stop(p3)
-        hung_at = run.last_step
-        run.wait_step(hung_at + SETTLE_STEPS)
-        assert process_state(p3.pid) == "T", "peer3 must have stayed stopped while the steps committed"
-        run.note(f"{run.last_step - hung_at} steps committed around the hung peer3; SIGCONT")
-        swarm.cont(p3)
-        resumed_at = run.last_step
-        run.wait("peer3 to announce a step past the ones it slept through",
-                 lambda v: run.serving_past(v, p3, 1, resumed_at))
-        run.note("peer3 caught up")
-
-        peer4_id = p4.peer_id
-        run.note("restart peer4 (stage 1)")
-        swarm.restart(p4, wait=False)
-        alone_from = run.last_step
-        run.wait_step(alone_from + SETTLE_STEPS)
-        run.note(f"steps {alone_from}..{run.last_step} committed with peer3 alone on stage 1")
-        swarm.wait_ready([p4])
-        assert p4.peer_id == peer4_id, "a restart with the same state dir is the same peer"
-        run.serve(p4, 1)
-        back_at = run.last_step
-        run.wait("peer4 to serve stage 1 past the step it rejoined at",
-                 lambda v: run.serving_past(v, p4, 1, back_at))
-        run.note("peer4 back and caught up")
-
-        run.note("drain peer2 (stage 0)")
-        assert swarm.drain(p2) == EXIT_OK and not p2.alive
-        drained_at = run.last_step
-        assert drained_at + LAST_STEPS < STEPS, "every disturbance must land before the job's last step"
-        run.wait_step(drained_at + LAST_STEPS)
-
-        trainer.client().cancel(run.job)
-        final = run.wait("the job to be cancelled", lambda v: v["state"] == "cancelled")
-        run.note(f"cancelled at step {final['step']}")
-        # Every step the trainer committed before the cancel, from the first, is checked.
-        run.steps = max(e["step"] for e in trainer.client().logs(run.job) if e["kind"] == "step")
-        assert run.steps >= run.last_step - 1, f"step events end at {run.steps}, the job was at {run.last_step}"
+        kill_and_replace(run, swarm, p1)
+        ch.hang_and_resume(run, swarm, p3, 1, SETTLE_STEPS)
+        restart_in_place(run, swarm, p4)
+        drain_then_cancel(run, swarm, trainer, p2)
         events = ch.check_steps(run, raw)
         memory = ch.check_memory(run)
         ch.dump(tmp_path / "chaos-local.json", run, events, memory)
@@ -116,3 +70,41 @@ def test_training_survives_kill_hang_restart_and_drain(tmp_path: Path) -> None:
     finally:
         swarm.close()
     assert ch.processes_mentioning(str(tmp_path)) == []
+
+
+def kill_and_replace(run: ch.Run, swarm: LocalSwarm, victim) -> None:
+    """Step 2: SIGKILL a stage-0 peer; a fresh one serves stage 0 in its place."""
+    run.note("SIGKILL peer1 (stage 0)")
+    swarm.kill(victim)
+    fresh = swarm.add()
+    run.serve(fresh, 0)
+    run.note(f"{fresh.name} serves stage 0")
+    run.wait_step(run.last_step + SETTLE_STEPS)
+
+
+def restart_in_place(run: ch.Run, swarm: LocalSwarm, restarted) -> None:
+    """Step 5: restart a stage-1 peer (same state dir and port): its mate alone carries the stage
+    meanwhile; it comes back as the same peer and catches up."""
+    peer_id = restarted.peer_id
+    run.note("restart peer4 (stage 1)")
+    swarm.restart(restarted, wait=False)
+    alone_from = run.last_step
+    run.wait_step(alone_from + SETTLE_STEPS)
+    run.note(f"steps {alone_from}..{run.last_step} committed with peer3 alone on stage 1")
+    swarm.wait_ready([restarted])
+    assert restarted.peer_id == peer_id, "a restart with the same state dir is the same peer"
+    run.serve(restarted, 1)
+    back_at = run.last_step
+    run.wait("peer4 to serve stage 1 past the step it rejoined at",
+             lambda v: run.serving_past(v, restarted, 1, back_at))
+    run.note("peer4 back and caught up")
+
+
+def drain_then_cancel(run: ch.Run, swarm: LocalSwarm, trainer, drained) -> None:
+    """Steps 6-7: drain a stage-0 peer (it exits 0 by itself), LAST_STEPS more steps, cancel the job."""
+    run.note("drain peer2 (stage 0)")
+    assert swarm.drain(drained) == EXIT_OK and not drained.alive
+    drained_at = run.last_step
+    assert drained_at + LAST_STEPS < STEPS, "every disturbance must land before the job's last step"
+    run.wait_step(drained_at + LAST_STEPS)
+    ch.cancel(run, trainer)

@@ -65,19 +65,8 @@ def moves_of(daemon) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_a_peer_moves_to_the_bottleneck_and_throughput_rises(swarm, swarm_root: Path, swarmctl, cpu_quotas,
                                                               kit) -> None:
-    data, spec_path = kit.write_job(swarm_root, "rebalance", seed=5, steps=STEPS, **BIG)
-
-    trainer = swarm.start("trainer", env=REBALANCE)
-    boot = trainer.status["announce"]
-    with ThreadPoolExecutor(5) as starting:
-        peers = list(starting.map(lambda i: swarm.start(f"p{i}", "--bootstrap", boot, env=REBALANCE), range(5)))
-    job_id = json.loads(swarmctl("--socket", str(trainer.socket), "--json", "submit", "--trainers", "0",
-                                 str(spec_path)).stdout)["job"]
     layout = [0, 0, 0, 1, 2]
-    for i in (0, 3, 4, 1, 2):  # each stage's first peer starts it; p1 and p2 join stage 0 by download
-        result = swarmctl("--socket", str(peers[i].socket), "serve", job_id, "--stage", str(layout[i]))
-        assert result.returncode == EXIT_OK, result.stderr
-    kit.wait_for(lambda: layout_of(trainer, job_id) == [3, 1, 1], 120, "the 3/1/1 layout in the directory")
+    trainer, peers, job_id, data = start_layout(swarm, swarm_root, swarmctl, kit, layout)
     for i, peer in enumerate(peers):
         cpu_quotas.limit(peer.proc.pid, f"p{i}", SLOW_CORES if layout[i] == 2 else FAST_CORES)
 
@@ -106,13 +95,7 @@ def test_a_peer_moves_to_the_bottleneck_and_throughput_rises(swarm, swarm_root: 
              f"{WINDOW + 2} steps after the move")
 
     events = kit.step_events(trainer, job_id)
-    before = [e for e in events if e["ts"] < move_started][1:]  # the first step pays for connections
-    after = [e for e in events if e["ts"] > move["at"]][1:WINDOW + 2]
-    assert len(before) >= 3, f"only {len(before)} steps before the move: too few to measure"
-    before_rate, after_rate = samples_per_s(before[-WINDOW:]), samples_per_s(after)
-    print(f"samples/s: {before_rate:.1f} before the move ({len(before[-WINDOW:])} steps), "
-          f"{after_rate:.1f} after ({len(after)} steps): x{after_rate / before_rate:.2f}")
-    assert after_rate > 1.2 * before_rate
+    check_throughput_rose(events, move)
 
     # No step lost or counted short: consecutive, and every stage's step holds the whole global
     # batch (re-sent microbatches of the drained peer included, duplicates counted apart).
@@ -125,3 +108,36 @@ def test_a_peer_moves_to_the_bottleneck_and_throughput_rises(swarm, swarm_root: 
     others = {name: (r["moves"], [j["last_decision"] for j in r["jobs"]]) for name, r in everyone.items()
               if r["moves"] and name != f"p{mover}"}
     assert not others, f"exactly one peer moved; also: {others}"
+
+
+def start_layout(swarm, swarm_root: Path, swarmctl, kit, layout: list[int]):
+    """A trainer daemon and a peer daemon per `layout` entry serving that stage (each stage's first
+    peer starts it; later ones join by download), as the directory shows; returns (trainer,
+    peers, job id, data path)."""
+    data, spec_path = kit.write_job(swarm_root, "rebalance", seed=5, steps=STEPS, **BIG)
+    trainer = swarm.start("trainer", env=REBALANCE)
+    boot = trainer.status["announce"]
+    with ThreadPoolExecutor(len(layout)) as starting:
+        peers = list(starting.map(lambda i: swarm.start(f"p{i}", "--bootstrap", boot, env=REBALANCE),
+                                  range(len(layout))))
+    job_id = json.loads(swarmctl("--socket", str(trainer.socket), "--json", "submit", "--trainers", "0",
+                                 str(spec_path)).stdout)["job"]
+    firsts = [layout.index(stage) for stage in sorted(set(layout))]
+    for i in firsts + [i for i in range(len(layout)) if i not in firsts]:
+        result = swarmctl("--socket", str(peers[i].socket), "serve", job_id, "--stage", str(layout[i]))
+        assert result.returncode == EXIT_OK, result.stderr
+    counts = [layout.count(stage) for stage in sorted(set(layout))]
+    kit.wait_for(lambda: layout_of(trainer, job_id) == counts, 120, f"the {counts} layout in the directory")
+    return trainer, peers, job_id, data
+
+
+def check_throughput_rose(events: list[dict], move: dict) -> None:
+    """Samples/s over WINDOW steps after the move beat the WINDOW steps before it by 20%."""
+    move_started = move["at"] - move["total_s"]
+    before = [e for e in events if e["ts"] < move_started][1:]  # the first step pays for connections
+    after = [e for e in events if e["ts"] > move["at"]][1:WINDOW + 2]
+    assert len(before) >= 3, f"only {len(before)} steps before the move: too few to measure"
+    before_rate, after_rate = samples_per_s(before[-WINDOW:]), samples_per_s(after)
+    print(f"samples/s: {before_rate:.1f} before the move ({len(before[-WINDOW:])} steps), "
+          f"{after_rate:.1f} after ({len(after)} steps): x{after_rate / before_rate:.2f}")
+    assert after_rate > 1.2 * before_rate
