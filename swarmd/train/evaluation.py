@@ -200,7 +200,8 @@ class Evaluation:
         tried: set[bytes] = set()
         rounds = 0
         for attempt in range(self.config.max_attempts):
-            pick = wiring.choose(samples, Kind.FORWARD, time.time(), frozenset(tried) | (others_than or frozenset()))
+            pick = wiring.choose(samples, Kind.FORWARD, time.time(), frozenset(tried) | (others_than or frozenset()),
+                                 slow_too=others_than is not None)
             if pick is None:
                 if others_than is not None and not tried:
                     return None  # no other peer to ask

@@ -426,7 +426,8 @@ class Trainer:
         loop = asyncio.get_running_loop()
         failed: set[bytes] = set()
         while True:
-            pick = wiring.choose(len(mb.sample_indices), Kind.FORWARD, time.time(), frozenset(asked | failed))
+            pick = wiring.choose(len(mb.sample_indices), Kind.FORWARD, time.time(), frozenset(asked | failed),
+                                 slow_too=True)
             if pick is None:
                 return None
             started = loop.time()

@@ -224,11 +224,12 @@ class StageWiring:
         for peer_id in [pid for pid, until in self._benched.items() if now >= until]:
             del self._benched[peer_id]
 
-    def _excluded(self, now: float) -> set[bytes]:
+    def _excluded(self, now: float, slow_too: bool = False) -> set[bytes]:
+        """Peers not to pick now: banned, benched and (unless `slow_too`) withheld for slowness."""
         self._lift_expired_bans(now)
         self._lift_expired_benches(now)
         out = self._bans.keys() | self._benched.keys()
-        return out | self.withheld(now, out)
+        return out if slow_too else out | self.withheld(now, out)
 
     def withheld(self, now: float, excluded: set[bytes] | None = None) -> set[bytes]:
         """Peers withheld from picks for slowness now (`slow_factor`): their probe is not due. The
@@ -276,11 +277,13 @@ class StageWiring:
 
     # ------------------------------------------------------------------ routing
 
-    def choose(self, samples: int, kind: Kind, now: float,
-               exclude: frozenset[bytes] = frozenset()) -> Pick | None:
+    def choose(self, samples: int, kind: Kind, now: float, exclude: frozenset[bytes] = frozenset(),
+               slow_too: bool = False) -> Pick | None:
         """The usable peer with the smallest expected finish, charged for this request; None when
-        no peer is usable (all gone, banned or excluded)."""
-        excluded = self._excluded(now) | exclude
+        no peer is usable (all gone, banned or excluded). `slow_too`: peers withheld for slowness
+        count as usable, for a second opinion: it is about what a peer answers, not how fast, and
+        without them a fast liar's reply stands unchecked whenever its honest mates look slow."""
+        excluded = self._excluded(now, slow_too) | exclude
         skipped = []
         chosen = None
         while self._heap:

@@ -134,8 +134,9 @@ class Peer:
         await self.pool.close()
 
 
-async def start_peer(job_spec, stage: int, directory: StaticDirectory, limits: StageLimits = FAST) -> Peer:
-    identity = Identity.generate()
+async def start_peer(job_spec, stage: int, directory: StaticDirectory, limits: StageLimits = FAST,
+                     identity: Identity | None = None) -> Peer:
+    identity = Identity.generate() if identity is None else identity
     config = RpcConfig(identity=identity)
     router = Router()
     rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=config)
@@ -149,10 +150,17 @@ async def start_peer(job_spec, stage: int, directory: StaticDirectory, limits: S
     return Peer(service, rpc, pool, identity)
 
 
-def stranger_pool() -> tuple[Pool, Identity]:
+def stranger_pool(identity: Identity | None = None) -> tuple[Pool, Identity]:
     """A peer of the swarm with a fresh identity (free to make) that announces nothing."""
-    identity = Identity.generate()
+    identity = Identity.generate() if identity is None else identity
     return Pool(RpcConfig(identity=identity)), identity
+
+
+def ordered_identities(n: int) -> list[Identity]:
+    """`n` fresh identities sorted by peer id: a test that needs one peer sorted before another
+    (a round's leader is its smallest id) assigns them, rather than drawing until one sorts low
+    (with the other drawn first and near the bottom of the id space, that can take any number)."""
+    return sorted((Identity.generate() for _ in range(n)), key=lambda identity: identity.peer_id)
 
 
 def inputs(step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 from adversary_kit import (FAST, JOB, STAGE, backward, committed_within, fake_id, progress, spec, start_peer,
-                           stranger_pool)
+                           ordered_identities, stranger_pool)
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.stage.sync import ROUND_PROTOCOL
@@ -47,9 +47,9 @@ async def stage_peers():
     job_spec = spec()
     made = []
 
-    async def start(n: int):
-        for _ in range(n):
-            made.append(await start_peer(job_spec, STAGE, directory))
+    async def start(n: int, identities=None):
+        for i in range(n):
+            made.append(await start_peer(job_spec, STAGE, directory, identity=identities[i] if identities else None))
         return made, directory
 
     try:
@@ -128,15 +128,9 @@ async def test_round_members_must_be_the_stages_announced_peers(stage_peers):
     """A leader that is an announced peer of the stage (a Sybil may be) names a third member at a
     Unix socket of the victim's host. Expected: refused, since that (id, address) pair is no
     announcement of the stage; on main the victim joins and dials the socket."""
-    (victim,), directory = await stage_peers(1)
-    leader_pool, leader = None, None
-    for _ in range(64):  # an identity sorted before the victim's: half of them are
-        pool, identity = stranger_pool()
-        if identity.peer_id < victim.peer_id:
-            leader_pool, leader = pool, identity
-            break
-        await pool.close()
-    assert leader is not None
+    first, second = ordered_identities(2)  # the leader's id sorts before the victim's
+    (victim,), directory = await stage_peers(1, [second])
+    leader_pool, leader = stranger_pool(first)
     try:
         announced = await directory.peers(JOB, STAGE)
         directory.set(JOB, STAGE, [*announced, StagePeer(leader.peer_id, "127.0.0.1:9", STAGE)])

@@ -172,6 +172,11 @@ async def test_with_second_opinions_a_peer_skewing_its_activations_is_outvoted(t
 
     async def skew(req):
         asked.append(req.meta["version"])
+        # A liar that holds none of a step's microbatches catches up by download after the commit,
+        # and would answer not_ready (the trainer asks another) whenever evaluation outruns it: this
+        # one waits until it has the version, as a slow peer would, so that it answers every time.
+        while liar.service.committed < req.meta["version"]:
+            await asyncio.sleep(0.01)
         reply = await honest_evaluate(req)
         return Message(reply.meta, [reply.tensors[0] * 1.5], codec="none")
 

@@ -331,3 +331,20 @@ def test_a_newcomers_cold_first_replies_do_not_withhold_it():
     assert stage.withheld(NOW) == {b"c"}
     with pytest.raises(ValueError, match="slow_window"):
         WiringConfig(slow_window=0)
+
+
+def test_a_second_opinion_may_come_from_a_peer_withheld_for_slowness():
+    """Steps: a measured fast, b slow_factor-plus slower (withheld); choose excluding a, without
+    and with `slow_too`; then with b banned.
+    Expected: no peer for a plain pick (b is withheld), b for a second opinion (what it answers is
+    what is checked, not its pace: without it a fast liar's reply stood unchecked whenever its
+    honest mates looked slow); a banned peer is never picked."""
+    config = WiringConfig(seed=1)
+    stage = stage_of("ab", config)
+    measure(stage, "a", samples_per_s=100)
+    measure(stage, "b", samples_per_s=10, times=config.slow_window)
+    assert stage.withheld(NOW) == {b"b"}
+    assert stage.choose(10, Kind.FORWARD, NOW, exclude=frozenset({b"a"})) is None
+    assert stage.choose(10, Kind.FORWARD, NOW, exclude=frozenset({b"a"}), slow_too=True).peer.peer_id == b"b"
+    stage.ban(peer("b"), NOW, "bad reply")
+    assert stage.choose(10, Kind.FORWARD, NOW, exclude=frozenset({b"a"}), slow_too=True) is None
