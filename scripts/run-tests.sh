@@ -15,13 +15,13 @@
 set -u
 PYTEST="${PYTEST:-.venv/bin/python -m pytest -q -p no:cacheprovider}"
 WORKERS="${TEST_WORKERS:-2}"
-BASE="$(mktemp -d /tmp/swarmd-test.XXXXXX)"
+BASE="$(mktemp -d /tmp/st.XXXXXX)"
 
 echo "== tests: phase 1 of 2: everything not marked serial, on $WORKERS workers"
-$PYTEST -n "$WORKERS" --dist loadfile -m "not serial" --basetemp="$BASE/parallel" --durations=10 "$@" tests
+$PYTEST -n "$WORKERS" --dist loadfile -m "not serial" --basetemp="$BASE/p" --durations=10 "$@" tests
 first=$?
 echo "== tests: phase 2 of 2: the tests marked serial, one at a time"
-$PYTEST -m serial --basetemp="$BASE/serial" --durations=10 "$@" tests
+$PYTEST -m serial --basetemp="$BASE/s" --durations=10 "$@" tests
 second=$?
 
 if [ "$first" -ne 0 ]; then

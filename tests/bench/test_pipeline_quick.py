@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def live_processes_mentioning(text: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_quick_run_reports_sane_figures(tmp_path):
+def test_quick_run_reports_sane_figures():
     """1. Run the bench at its smallest size (--quick): 2 stages x 2 peers, a 6 s no-fault window, a 10 s
           fault window with a SIGKILL + restart every 4 s, wire bytes for every codec.
        Expected: exit 0 and one JSON object with positive rates, ratios above 0, at least one
@@ -61,14 +62,27 @@ def test_quick_run_reports_sane_figures(tmp_path):
        compress), the swarm's own bytes per sample (from its daemons' counters) positive, the swarm-wide
        count at least the trainer daemon's, both within a small factor of the in-process figure for
        the same codec, the config it ran; and no swarmd process of the run is left afterwards."""
+    # The bench's daemons put Unix sockets under TMPDIR, three folders deep: pytest's tmp_path under a
+    # worker's basetemp can push them past AF_UNIX's 107 bytes, so the run gets a short folder of its own.
+    with tempfile.TemporaryDirectory(prefix="swp-", dir="/tmp") as short:
+        report, elapsed = _quick_run(Path(short))
+        assert live_processes_mentioning(short) == []
+    _check_quick_report(report, elapsed)
+
+
+def _quick_run(tmp: Path) -> tuple[dict, float]:
     started = time.monotonic()
     run = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True,
-                         timeout=QUICK_TIMEOUT_S, env={**os.environ, "TMPDIR": str(tmp_path)})
+                         timeout=QUICK_TIMEOUT_S, env={**os.environ, "TMPDIR": str(tmp)})
     elapsed = time.monotonic() - started
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 1, run.stdout
     report = json.loads(lines[0])
+    return report, elapsed
+
+
+def _check_quick_report(report: dict, elapsed: float) -> None:
     print(f"quick pipeline bench in {elapsed:.0f} s: local {report['local_samples_per_s']:.1f}, swarm "
           f"{report['swarm_samples_per_s']:.1f}, faults {report['faults']['samples_per_s']:.1f} samples/s, "
           f"{report['faults']['preemptions']} preemptions; bytes/sample {report['wire_bytes_per_sample']}")
@@ -111,7 +125,6 @@ def test_quick_run_reports_sane_figures(tmp_path):
 
     config = report["config"]
     assert config["quick"] and {k: config[k] for k in pb.QUICK} == pb.QUICK
-    assert live_processes_mentioning(str(tmp_path)) == []
 
 
 def test_quick_sets_the_defaults_and_explicit_flags_win():
