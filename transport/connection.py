@@ -19,7 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import payload, sockopts
+import transport.payload as payload
+import transport.sockopts as sockopts
 from .calls import Inbox, StreamCall
 from .config import RpcConfig
 from .errors import (

@@ -17,11 +17,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import swarmd.dht.protocol as P
 from swarmd.clock import Clock, RealClock
 from swarmd.supervisor import Supervisor
 from transport.identity import Identity
 
-from . import protocol as P
 from .config import DHTConfig
 from .errors import CallFailed, DHTProtocolError, DHTUsageError, RecordRejected, RemoteFailure, WrongPeer
 from .lookup import Lookup, LookupResult
