@@ -295,8 +295,8 @@ class Daemon:
         closers.append(("automatic joining", self.joining.close))
         try:
             settings = RebalanceSettings.from_section(cfg.rebalance)
-        except ValueError as exc:
-            raise StartupError(EXIT_CONFIG, f"[rebalance]: {exc}") from None
+        except configuration.ConfigError as exc:
+            raise StartupError(EXIT_CONFIG, str(exc)) from None
         # Closed first of the job parts: a move under way is undone before its stages stop.
         self.rebalancing = Rebalancing(self.serving, self.identity, self.router, self.pool, directory, settings,
                                        self.metrics, Supervisor("rebalancing", self.faults))

@@ -10,6 +10,7 @@ import pytest
 
 from swarmd.config import RebalanceSection
 from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.errors import ConfigError
 from swarmd.jobs.rebalancing import GossipDispatch, RebalanceSettings
 from swarmd.jobs.serving import Served, Serving
 from swarmd.rebalance.gossip import METHOD
@@ -29,6 +30,17 @@ def test_settings_carry_the_section_into_the_policy_and_refuse_impossible_jitter
     assert settings.gossip.period_s == 5.0 and settings.gossip.members_ttl_s == 15.0
     with pytest.raises(ValueError, match="jitter"):
         RebalanceSettings.from_section(RebalanceSection(jitter=1.5))
+
+
+@pytest.mark.parametrize(("setting", "key"), [({"jitter": 1.5}, "jitter"),
+                                               ({"gossip_interval_s": 0.0}, "gossip_interval_s"),
+                                               ({"gossip_max_entries": 10**6}, "gossip_max_entries")])
+def test_a_refused_setting_is_a_config_error_under_its_section_key(setting: dict, key: str) -> None:
+    """The policy's and the gossip's own checks reach the daemon as `ConfigError`, keyed by the
+    `[rebalance]` setting an operator writes (not the gossip's field name)."""
+    with pytest.raises(ConfigError) as refused:
+        RebalanceSettings.from_section(RebalanceSection(**setting))
+    assert (refused.value.key, refused.value.source) == (key, "[rebalance]")
 
 
 class OneMethodRouter:
