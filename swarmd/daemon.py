@@ -489,6 +489,11 @@ class Daemon:
                 log.debug("discovery lookup failed: %s", exc)
 
     async def _ping_peers(self) -> None:
+        """The liveness loop under its own `Supervisor`: a bug in a ping is shown in status
+        (`supervision`) and the loop restarted, instead of ending the daemon's task group."""
+        await Supervisor("liveness", self.faults).run("ping peers", self._ping_forever)
+
+    async def _ping_forever(self) -> None:
         assert self.dht is not None and self.pool is not None
         dht, peers = self.dht, self.config.peers
 
