@@ -222,12 +222,14 @@ class Rebalancing:
                 continue
             job = JobRebalancer(job_id, stages, self.identity, self.serving, self.dispatch, self.pool,
                                 self.directory, self.settings, self._count_move, self.supervisor)
+            started = f"start job {job_id.hex()[:16]}"
             try:
                 await job.start()
-            except Exception:  # a bug or a broken part must not end rebalancing for every job
-                log.exception("rebalancing could not start for job %s; retrying", job_id.hex()[:16])
+            except Exception as exc:  # noqa: BLE001 - a bug or a broken part must not end rebalancing
+                self.supervisor.record(started, exc, RECONCILE_S)  # for every job: shown, retried
                 await job.stop()
                 continue
+            self.supervisor.recovered(started)
             self.jobs[job_id] = job
             log.info("rebalancing job %s every %g s (gossip every %g s)", job_id.hex()[:16],
                      self.settings.policy.period_s, self.settings.gossip.period_s)
