@@ -33,7 +33,7 @@ import torch
 from swarmd.job.spec import JobSpec
 from swarmd.model import build_stage
 from swarmd.optim import OptimizerState
-from swarmd.stage import checkpoint as ckpt
+import swarmd.stage.checkpoint as ckpt
 from swarmd.stage.state import Snapshot, StateError, check_params, download, snapshot_messages
 from transport.codecs import DTYPES
 from transport.errors import RpcError, TransportError
