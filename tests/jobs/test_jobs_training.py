@@ -38,6 +38,14 @@ def a_job() -> Job:
     return Job(b"j" * 32, SimpleNamespace(name="j"), b"s" * 32, local=False)
 
 
+async def racing(error: BaseException | None = None) -> tuple[Job, StandIn, asyncio.Task]:
+    """A job, its stand-in trainer, and the race between them, once the trainer runs."""
+    job, trainer = a_job(), StandIn(error)
+    race = asyncio.create_task(Training._until_ended(job, trainer))
+    await trainer.started.wait()
+    return job, trainer, race
+
+
 def end(job: Job, state: str) -> None:
     job.ended = JobEnd(state, 7, 0.0, "its submitter")
     job.end_seen.set()
@@ -47,9 +55,7 @@ def end(job: Job, state: str) -> None:
 async def test_the_trainer_ending_first_ends_the_race_with_its_own_outcome(error) -> None:
     """Its return, or its own error as itself (a TrainerError must stay final for the supervisor,
     not arrive wrapped in a group; its own TimeoutError is not taken for the job's end)."""
-    job, trainer = a_job(), StandIn(error)
-    race = asyncio.create_task(Training._until_ended(job, trainer))
-    await trainer.started.wait()
+    job, trainer, race = await racing(error)
     trainer.finish.set()
     if error is None:
         await race
@@ -61,9 +67,7 @@ async def test_the_trainer_ending_first_ends_the_race_with_its_own_outcome(error
 
 
 async def test_a_cancelled_job_stops_its_trainer_at_once() -> None:
-    job, trainer = a_job(), StandIn()
-    race = asyncio.create_task(Training._until_ended(job, trainer))
-    await trainer.started.wait()
+    job, trainer, race = await racing()
     end(job, "cancelled")
     await asyncio.wait_for(race, 5)
     assert trainer.cancelled
@@ -73,26 +77,20 @@ async def test_a_finished_job_gives_its_trainer_the_grace_to_see_the_last_commit
     """Ended done: the trainer may still finish within FINISH_GRACE_S (and is not cancelled); past
     the grace it is stopped."""
     monkeypatch.setattr(training, "FINISH_GRACE_S", 0.2)
-    job, trainer = a_job(), StandIn()
-    race = asyncio.create_task(Training._until_ended(job, trainer))
-    await trainer.started.wait()
+    job, trainer, race = await racing()
     end(job, "done")
     await asyncio.sleep(0.05)
     trainer.finish.set()
     await race
     assert not trainer.cancelled
-    job, trainer = a_job(), StandIn()
-    race = asyncio.create_task(Training._until_ended(job, trainer))
-    await trainer.started.wait()
+    job, trainer, race = await racing()
     end(job, "done")
     await asyncio.wait_for(race, 5)
     assert trainer.cancelled
 
 
 async def test_cancelling_the_owner_cancels_the_trainer_and_propagates() -> None:
-    job, trainer = a_job(), StandIn()
-    race = asyncio.create_task(Training._until_ended(job, trainer))
-    await trainer.started.wait()
+    job, trainer, race = await racing()
     race.cancel()
     with pytest.raises(asyncio.CancelledError):
         await race
