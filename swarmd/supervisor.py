@@ -142,7 +142,7 @@ class Supervisor:
         `faults`, like a restarted task's, so `swarmctl status` shows what only a log line told of."""
         task = f"{self.owner}: {name}"
         fault = self.faults.failed(task, exc, retry_in_s)
-        log.error("%s failed (restart %d in %.1f s):\n%s", task, fault.restarts, retry_in_s,
+        log.error("%s failed (%d times; again in %.1f s):\n%s", task, fault.restarts, retry_in_s,
                   "".join(traceback.format_exception(exc)).rstrip())
 
     def recovered(self, name: str) -> None:
