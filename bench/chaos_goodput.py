@@ -55,7 +55,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 
 from swarmd.client import Client, ControlError, DaemonUnavailable  # noqa: E402
-from swarmd.swarmproc import FAST_ENV, LocalSwarm, PeerProcess, SwarmError, SwarmSettings  # noqa: E402
+from swarmd.swarmproc import (FAST_ENV, LocalSwarm, PeerProcess, SwarmError, SwarmSettings,  # noqa: E402
+                              follow_logs, serve_when_known)
 
 #: Stages are placed by the bench alone, and a restarted victim rejoins its remembered stage.
 PINNED_ENV = {"SWARMD_JOBS_SERVE": "none", "SWARMD_REBALANCE_ENABLED": "false",
@@ -103,22 +104,8 @@ def job_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def serve_stage(peer: PeerProcess, job: str, stage: int) -> None:
-    deadline = time.monotonic() + JOB_DISCOVERY_S
-    while True:
-        try:
-            async with Client(peer.socket, timeout=SERVE_CALL_S) as client:
-                await client.serve(job, stage)
-                return
-        except ControlError as exc:
-            if exc.code != "not_found" or time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(0.3)
-
-
-async def follow(trainer: PeerProcess, job: str, run: Run) -> None:
-    async with Client(trainer.socket, timeout=3600.0) as client:
-        async for event in client.logs(job, follow=True):
-            run.events.append(event)
+    """`swarmctl serve JOB --stage I` on that daemon, retried while it has not read the job yet."""
+    await serve_when_known(peer, job, stage, discovery_s=JOB_DISCOVERY_S, timeout=SERVE_CALL_S)
 
 
 async def restart(swarm: LocalSwarm, target: Served, job: str) -> None:
@@ -192,7 +179,7 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
     await asyncio.gather(*(serve_stage(p.peer, job, p.stage) for p in peers))
     rng = random.Random(args.seed)
     async with asyncio.TaskGroup() as tasks:
-        follower = tasks.create_task(follow(trainer, job, run), name="follow job.logs")
+        follower = tasks.create_task(follow_logs(trainer, job, run.events), name="follow job.logs")
         try:
             await wait_steps(run, args.warmup_steps, args.timeout)
             await quiet_window("no_faults_before", args.window / 2, run)

@@ -72,7 +72,7 @@ from swarmd.job.spec import JobSpec  # noqa: E402
 from swarmd.reference import ReferenceTrainer  # noqa: E402
 from swarmd.stage import StageLimits, StageServer, StageService  # noqa: E402
 from swarmd.swarmproc import (FAST_ENV, LocalSwarm, PeerProcess, SwarmError, SwarmSettings,  # noqa: E402
-                              install_signal_handlers)
+                              follow_logs, install_signal_handlers, serve_when_known)
 from swarmd.train.trainer import Trainer  # noqa: E402
 from transport.codecs import CODECS  # noqa: E402
 from transport.rpc import Pool, Router, RpcServer  # noqa: E402
@@ -314,24 +314,8 @@ class SwarmRun:
 
 
 async def serve_stage(peer: PeerProcess, job: str, stage: int) -> None:
-    """`swarmctl serve JOB --stage I` on that daemon; a daemon that has not read the job's record from
-    the DHT yet answers not_found, which is retried for a while."""
-    deadline = time.monotonic() + JOB_DISCOVERY_S
-    while True:
-        try:
-            async with Client(peer.socket) as client:
-                await client.serve(job, stage)
-                return
-        except ControlError as exc:
-            if exc.code != "not_found" or time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(0.3)
-
-
-async def follow(trainer: PeerProcess, job: str, run: SwarmRun) -> None:
-    async with Client(trainer.socket, timeout=3600.0) as client:
-        async for event in client.logs(job, follow=True):
-            run.events.append(event)
+    """`swarmctl serve JOB --stage I` on that daemon, retried while it has not read the job yet."""
+    await serve_when_known(peer, job, stage, discovery_s=JOB_DISCOVERY_S)
 
 
 async def wait_steps(run: SwarmRun, steps: int, timeout: float) -> None:
@@ -407,7 +391,7 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
     daemons = [trainer, *servers]
     await asyncio.gather(*(serve_stage(p.peer, job, p.stage) for p in peers))
     async with asyncio.TaskGroup() as tg:
-        follower = tg.create_task(follow(trainer, job, run), name="follow job.logs")
+        follower = tg.create_task(follow_logs(trainer, job, run.events), name="follow job.logs")
         try:
             await wait_steps(run, args.warmup_steps, args.timeout)
             if args.fault_duration > 0:  # bracketed: load that drifts during the run hits both sides

@@ -46,7 +46,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 sys.path.insert(0, str(BENCH.parent))
 
 from swarmd.client import Client  # noqa: E402
-from swarmd.swarmproc import FAST_ENV, LocalSwarm, SwarmSettings, install_signal_handlers  # noqa: E402
+from swarmd.swarmproc import FAST_ENV, LocalSwarm, SwarmSettings, follow_logs, install_signal_handlers  # noqa: E402
 
 
 def _load_bench(name: str, filename: str):
@@ -142,7 +142,7 @@ async def measure_point(trainer, servers, stages: int, rtt_ms: float, in_flight:
     run = pipeline.SwarmRun()
     await asyncio.gather(*(pipeline.serve_stage(peer, job, i) for i, peer in enumerate(servers)))
     async with asyncio.TaskGroup() as tg:
-        follower = tg.create_task(pipeline.follow(trainer, job, run))
+        follower = tg.create_task(follow_logs(trainer, job, run.events))
         try:
             await pipeline.wait_steps(run, warmup, POINT_TIMEOUT_S)
             window_start = time.time()

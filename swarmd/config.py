@@ -837,8 +837,8 @@ def build(layers: Sequence[Layer], env: Mapping[str, str], config_file: Path | N
                 values[f.name] = _DERIVED[key](env)
         try:
             built[section] = cls(**values)
-        except (TypeError, ValueError) as exc:  # a section that checks its own fields (DHTConfig may)
-            raise ConfigError(f"[{section}]", str(exc), source="configuration") from None
+        except ConfigError as exc:  # a section that checks its own fields together (DHTConfig does)
+            raise ConfigError(f"{section}.{exc.key}", exc.message, source="configuration") from None
     return Config(**built, config_file=config_file)
 
 

@@ -295,8 +295,8 @@ class Daemon:
         closers.append(("automatic joining", self.joining.close))
         try:
             settings = RebalanceSettings.from_section(cfg.rebalance)
-        except ValueError as exc:
-            raise StartupError(EXIT_CONFIG, f"[rebalance]: {exc}") from None
+        except configuration.ConfigError as exc:
+            raise StartupError(EXIT_CONFIG, str(exc)) from None
         # Closed first of the job parts: a move under way is undone before its stages stop.
         self.rebalancing = Rebalancing(self.serving, self.identity, self.router, self.pool, directory, settings,
                                        self.metrics, Supervisor("rebalancing", self.faults))
@@ -489,6 +489,11 @@ class Daemon:
                 log.debug("discovery lookup failed: %s", exc)
 
     async def _ping_peers(self) -> None:
+        """The liveness loop under its own `Supervisor`: a bug in a ping is shown in status
+        (`supervision`) and the loop restarted, instead of ending the daemon's task group."""
+        await Supervisor("liveness", self.faults).run("ping peers", self._ping_forever)
+
+    async def _ping_forever(self) -> None:
         assert self.dht is not None and self.pool is not None
         dht, peers = self.dht, self.config.peers
 

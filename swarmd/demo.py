@@ -38,7 +38,8 @@ from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 from swarmd.job.errors import DataError, SpecError
 from swarmd.job.spec import JobSpec
 from swarmd.plot import LossCurve, baseline_curve, curve_from_events, curve_from_reference, render, write_events
-from swarmd.swarmproc import LocalSwarm, PeerProcess, SwarmError, SwarmSettings, install_signal_handlers
+from swarmd.swarmproc import (LocalSwarm, PeerProcess, SwarmError, SwarmSettings, install_signal_handlers,
+                              serve_when_known)
 
 log = logging.getLogger(__name__)
 
@@ -193,24 +194,19 @@ async def _watch(trainer: PeerProcess, job: str, progress: Progress, bar: Bar) -
 
 
 async def _serve(peer: PeerProcess, job: str, stage: int | None, bar: Bar, progress: Progress) -> int | None:
-    """Ask the peer to serve a stage (None: the weakest); a peer that has not yet read the job's
-    record from the DHT answers not_found, so that is retried for a while."""
-    deadline = time.monotonic() + JOB_DISCOVERY_S
-    while True:
-        try:
-            async with Client(peer.socket) as client:
-                return (await client.serve(job, stage))["stage"]
-        except ControlError as exc:
-            if exc.code == "not_found" and time.monotonic() < deadline:
-                await asyncio.sleep(0.3)
-                continue
-            if exc.code == "not_available":  # these daemons cannot serve stages: the job would wait forever
-                raise
-            bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
-            return None
-        except DaemonUnavailable as exc:  # e.g. a busy machine's daemon past the call timeout: note it, go on
-            bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
-            return None
+    """Ask the peer to serve a stage (None: the weakest), its stage; asked again while the peer has
+    not read the job's record from the DHT (`serve_when_known`). A peer that cannot serve is noted
+    and skipped."""
+    try:
+        return (await serve_when_known(peer, job, stage, discovery_s=JOB_DISCOVERY_S))["stage"]
+    except ControlError as exc:
+        if exc.code == "not_available":  # these daemons cannot serve stages: the job would wait forever
+            raise
+        bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
+        return None
+    except DaemonUnavailable as exc:  # e.g. a busy machine's daemon past the call timeout: note it, go on
+        bar.note(f"  {peer.name} could not serve stage {stage}: {exc}", progress)
+        return None
 
 
 async def _preempt(swarm: LocalSwarm, trainer: PeerProcess, job: str, plan: Plan, progress: Progress,

@@ -20,6 +20,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
+from swarmd.dht.errors import CallFailed
+from transport.errors import TransportError
+
 log = logging.getLogger(__name__)
 
 
@@ -65,7 +68,13 @@ class PeerBook:
 
 
 Ping = Callable[[str], Awaitable[bytes]]
-"""Ping an address; returns the peer id the connection proved, raises on any failure."""
+"""Ping an address; returns the peer id the connection proved, raises one of `PING_FAILURES` when
+the peer did not answer."""
+
+#: What a ping that found no live peer raises: the DHT call's failure (`dht.network.call`), a
+#: transport error or OSError that reached us unwrapped, our own timeout. Anything else is a bug in
+#: the ping or the loop and goes to the loop's owner (the daemon runs it under a `Supervisor`).
+PING_FAILURES = (CallFailed, TransportError, TimeoutError, OSError)
 
 
 async def ping_loop(
@@ -80,13 +89,14 @@ async def ping_loop(
     on_result: Callable[[bool], None] = lambda ok: None,
 ) -> None:
     """Forever: ping the `sample` known contacts tried longest ago at once, each bounded by
-    `timeout_s`, then wait."""
+    `timeout_s`, then wait. A failed ping means "not heard from" (its reason only logged at debug:
+    dead peers are common); an unexpected error ends the loop, so its owner shows it."""
 
     async def one(address: str) -> None:
         try:
             async with asyncio.timeout(timeout_s):
                 peer_id = await ping(address)
-        except Exception as exc:  # any failure means "not heard from"; the reason is only logged
+        except PING_FAILURES as exc:
             log.debug("ping %s: %s", address, exc)
             on_result(False)
             return

@@ -131,12 +131,23 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - the point: any bug is survived and shown
                 in_a_row = 1 if time.monotonic() - began >= self.backoff.max_s else in_a_row + 1
                 delay = self.backoff.delay(in_a_row)
-                fault = self.faults.failed(task, exc, delay)
-                log.error("%s failed (restart %d in %.1f s):\n%s", task, fault.restarts, delay,
-                          "".join(traceback.format_exception(exc)).rstrip())
+                self.record(name, exc, delay)
             await asyncio.sleep(delay)
-            self.faults.restarted(task)
+            self.recovered(name)
             log.info("%s restarting", task)
+
+    def record(self, name: str, exc: BaseException, retry_in_s: float) -> None:
+        """A failure of `name` that its caller survives and retries on its own (one job's start in a
+        loop that serves every job, one announcement's value): logged with its traceback and put in
+        `faults`, like a restarted task's, so `swarmctl status` shows what only a log line told of."""
+        task = f"{self.owner}: {name}"
+        fault = self.faults.failed(task, exc, retry_in_s)
+        log.error("%s failed (%d times; again in %.1f s):\n%s", task, fault.restarts, retry_in_s,
+                  "".join(traceback.format_exception(exc)).rstrip())
+
+    def recovered(self, name: str) -> None:
+        """`name` runs again (status stops counting down to its retry); its failures stay counted."""
+        self.faults.restarted(f"{self.owner}: {name}")
 
     def spawn(self, name: str, start: Callable[[], Awaitable[Any]], *,
               final: tuple[type[BaseException], ...] = ()) -> asyncio.Task:

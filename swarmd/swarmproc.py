@@ -38,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Callable, Iterable, Mapping
 
-from swarmd.client import Client, ControlError, DaemonUnavailable, SyncClient
+from swarmd.client import DEFAULT_TIMEOUT_S, FOLLOW_TIMEOUT_S, Client, ControlError, DaemonUnavailable, SyncClient
 from swarmd.errors import SwarmdError
 
 #: Liveness and discovery tuned for a swarm that lives minutes on one machine: deaths are noticed in
@@ -392,6 +392,37 @@ class LocalSwarm:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------- a job on them
+
+#: Seconds between two asks to a daemon that has not read a job's record from the DHT yet.
+JOB_UNKNOWN_RETRY_S = 0.3
+
+
+async def serve_when_known(peer: PeerProcess, job: str, stage: int | None, *, discovery_s: float,
+                           timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    """`swarmctl serve JOB --stage I` on that daemon (None: the stage it picks), its answer. A daemon
+    started moments ago may not have read the job's record from the DHT yet and answers `not_found`:
+    asked again for up to `discovery_s`; any other refusal, or `not_found` past it, is raised.
+    `timeout` bounds each call (a serve builds the stage and downloads its state before answering)."""
+    deadline = time.monotonic() + discovery_s
+    while True:
+        try:
+            async with Client(peer.socket, timeout=timeout) as client:
+                return await client.serve(job, stage)
+        except ControlError as exc:
+            if exc.code != "not_found" or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(JOB_UNKNOWN_RETRY_S)
+
+
+async def follow_logs(peer: PeerProcess, job: str, events: list[dict]) -> None:
+    """Append each event of the job's `job.logs --follow` stream on that daemon to `events`, until
+    the stream ends (the job ended) or the caller cancels."""
+    async with Client(peer.socket, timeout=FOLLOW_TIMEOUT_S) as client:
+        async for event in client.logs(job, follow=True):
+            events.append(event)
 
 
 # ---------------------------------------------------------------------------------- process-wide

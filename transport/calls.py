@@ -1,19 +1,28 @@
-"""The caller's side of a call in flight: a inbox its answer frames land in, and `StreamCall`,
-the async iterator over a streamed answer. `RpcProtocol` decides which frames answer which call;
-these only hand them to the task that waits."""
+"""The caller's side of a connection: its calls in flight and what answers them.
+
+`Calls` starts each call (an id from `RpcProtocol`, an `Inbox` its answer frames land in), sends
+its request, waits for the answer or the next stream item and ends it (taking back what is unsent
+and telling the server when it is unanswered). `StreamCall` is the async iterator over a streamed
+answer. `RpcProtocol` decides which frames answer which call; these only hand them to the task
+that waits. Split from `Connection` so the socket shell keeps to the socket.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .errors import DeadlineExceeded
+import transport.payload as payload
+from .errors import DeadlineExceeded, ProtocolError, RemoteError
 from .message import Message
-from .wire import Frame
+from .wire import Frame, Kind
 
 if TYPE_CHECKING:
     from .connection import Connection
+
+log = logging.getLogger(__name__)
 
 
 class Inbox:
@@ -50,6 +59,93 @@ class Inbox:
             self.waiter.set_result(None)
 
 
+class Calls:
+    """The calls in flight on `conn`, by request id; at most `max_pending_calls` unary calls wait
+    for a slot at once."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._inboxes: dict[int, Inbox] = {}
+        self._slots = asyncio.Semaphore(conn._config.max_pending_calls)
+
+    def __len__(self) -> int:
+        return len(self._inboxes)
+
+    async def call(self, method: str, message: Message, timeout: float) -> Message:
+        """Send one request and wait for its one reply; DeadlineExceeded after `timeout` seconds."""
+        scope = asyncio.timeout(timeout)
+        try:
+            async with scope, self._slots:
+                rid = self.start(stream=False)
+                try:
+                    await self.send_request(rid, method, message, self._conn._loop.time() + timeout)
+                    return await self.answer_message(await self.next_frame(rid))
+                finally:
+                    self.end(rid)
+        except TimeoutError:
+            if scope.expired():
+                raise DeadlineExceeded(f"{method} got no answer within {timeout} s") from None
+            raise
+
+    def start(self, stream: bool) -> int:
+        rid = self._conn._proto.start_call(stream)
+        self._inboxes[rid] = Inbox()
+        return rid
+
+    def answer(self, rid: int, frame: Frame) -> None:
+        """An answer frame the protocol matched to call `rid`."""
+        if frame.kind is Kind.STREAM_ITEM:
+            self._conn._account_undelivered(payload.frame_bytes(frame))
+        self._inboxes[rid].push(frame)
+
+    def end(self, rid: int) -> None:
+        """Forget a call; if it is unanswered, take back what is unsent and tell the server."""
+        inbox = self._inboxes.pop(rid, None)
+        if inbox is None:
+            return
+        conn = self._conn
+        for item in inbox.frames:  # items the consumer never took
+            if item.kind is Kind.STREAM_ITEM:
+                conn._account_undelivered(-payload.frame_bytes(item))
+        cancel = conn._proto.end_call(rid, untouched=conn._sender.drop(rid).untouched)
+        if cancel is not None:
+            conn._sender.control(cancel)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The connection is gone: every waiting call fails with `error`."""
+        for inbox in self._inboxes.values():
+            inbox.fail(error)
+
+    async def send_request(self, rid: int, method: str, message: Message, deadline: float) -> None:
+        conn = self._conn
+        extra = {"m": method, "t": max(0.0, deadline - conn._loop.time())}
+        await conn._send_message(Kind.REQUEST, rid, message, extra)
+        conn._proto.call_sent(rid)
+
+    async def next_frame(self, rid: int) -> Frame:
+        """Call `rid`'s next answer frame, once it arrives; the connection's error once it is gone."""
+        return await self._inboxes[rid].next()
+
+    async def answer_message(self, frame: Frame) -> Message:
+        if frame.kind is Kind.ERROR:
+            raise RemoteError(str(frame.header.get("code")), str(frame.header.get("msg")))
+        try:
+            meta, tensors = await self._conn._decode(frame.header, frame.buffers)
+        except ProtocolError as exc:  # the peer sent a reply that does not decode: drop it
+            log.warning("closing connection to %s: %s", self._conn._address, exc)
+            self._conn.abort(exc)
+            raise
+        return Message(meta, tensors)
+
+    async def next_stream_item(self, rid: int) -> Message | None:
+        frame = await self.next_frame(rid)
+        if frame.kind is Kind.STREAM_ITEM:
+            self._conn._account_undelivered(-payload.frame_bytes(frame))
+        elif frame.kind is Kind.STREAM_END:
+            return None
+        return await self.answer_message(frame)
+
+
 class StreamCall:
     """The caller's end of a streamed answer. Iterating sends the request on first use; leaving
     early (`aclose`, `async with` exit, break then close) cancels the call on the server."""
@@ -82,10 +178,10 @@ class StreamCall:
                 if self._conn is None:
                     conn = self._get_conn()
                     self._conn = await conn if asyncio.iscoroutine(conn) else conn
-                    self._rid = self._conn._start_call(stream=True)
-                    await self._conn._send_request(self._rid, self._method, self._message, self._deadline)
+                    self._rid = self._conn._calls.start(stream=True)
+                    await self._conn._calls.send_request(self._rid, self._method, self._message, self._deadline)
                 assert self._rid is not None
-                item = await self._conn._next_stream_item(self._rid)
+                item = await self._conn._calls.next_stream_item(self._rid)
         except TimeoutError:
             await self.aclose()
             if scope.expired():
@@ -102,5 +198,5 @@ class StreamCall:
     async def aclose(self) -> None:
         self._finished = True
         if self._conn is not None and self._rid is not None:
-            self._conn._end_call(self._rid)
+            self._conn._calls.end(self._rid)
             self._rid = None

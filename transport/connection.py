@@ -2,8 +2,10 @@
 
 The rules (hello sequence, frame kinds per role, ids, which answer fits which call, cancel and
 goaway) live in `transport.protocol` and are tested on bytes alone; this shell feeds it the socket's
-bytes, acts on its events, and owns what needs a loop: the writer, handler tasks, tensor encoding
-(offloaded to a thread past a size), the heartbeat, flow control and closing.
+bytes, hands its events on (answers to `transport.calls`, our calls in flight; requests to
+`transport.dispatch`, which runs their handlers in this connection's tasks), and owns what needs a
+loop: the writer, the tasks, tensor encoding (offloaded to a thread past a size), the heartbeat,
+flow control and closing.
 
 What it writes goes through its `Sender` (control frames first, then calls one chunk at a time,
 payload bytes reserved against the in-flight budget); the writer waits whenever the transport's
@@ -19,22 +21,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import payload, sockopts
-from .calls import Inbox, StreamCall
+import transport.payload as payload
+import transport.sockopts as sockopts
+from .calls import Calls, StreamCall
 from .config import RpcConfig
-from .errors import (
-    ConnectionLost,
-    DeadlineExceeded,
-    HandshakeError,
-    MalformedFrame,
-    ProtocolError,
-    RemoteError,
-    RpcError,
-)
+from .dispatch import Dispatch
+from .errors import ConnectionLost, HandshakeError, MalformedFrame, ProtocolError
 from .gate import HelloGate, source_of
 from .handshake import Handshake
-from .message import Message, RemoteInfo, Request, Router
-from .payload import CODE_BAD_REPLY
+from .message import Message, RemoteInfo, Router
 from .protocol import (
     HELLO_LIMITS,
     Admit,
@@ -52,12 +47,12 @@ from .ratelimit import RateLimiter
 from .seal import Sealer
 from .sender import Sender
 from .tasks import TaskSet
-from .wire import ID, VERSION, Frame, Kind, Piece, encode_frame
+from .wire import VERSION, Kind, Piece, encode_frame
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Admit", "AdmitLocal", "CODE_BAD_REPLY", "Connection", "HELLO_LIMITS", "StreamCall"]
+__all__ = ["Admit", "AdmitLocal", "Connection", "HELLO_LIMITS", "StreamCall"]
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +65,6 @@ UNDELIVERED_OVERHEAD_BYTES = 256
 CLOSE_POLL_S = 0.01
 """How often a closing connection looks whether its queue has drained (closing is rare)."""
 
-# Error codes a caller may see in RemoteError.code besides the handler's own.
-CODE_INTERNAL = "internal"
-CODE_UNKNOWN_METHOD = "unknown_method"
-CODE_DEADLINE = "deadline_exceeded"
-CODE_OVERLOADED = "overloaded"
-CODE_GOING_AWAY = "going_away"
-CODE_CANCELLED = "cancelled"
-CODE_RATE_LIMITED = "rate_limited"
-
 
 class Connection(asyncio.Protocol):
     """Use `await Connection.open(...)` (client) or let `RpcServer` create it (server side)."""
@@ -87,11 +73,9 @@ class Connection(asyncio.Protocol):
                  admit: Admit | None = None, on_closed: Callable[["Connection"], None] | None = None,
                  gate: HelloGate | None = None, limiter: RateLimiter | None = None,
                  admit_local: AdmitLocal | None = None) -> None:
-        self._config, self._router, self._on_closed = config, router, on_closed
-        self._gate, self._limiter = gate, limiter
-        self._admit_local = admit_local
+        self._config, self._on_closed = config, on_closed
+        self._gate, self._admit_local = gate, admit_local
         self._gate_source: str | None = None  # set while we hold a slot of the gate
-        self._rate_key: object = None
         self._loop = asyncio.get_running_loop()
         handshake = Handshake(initiator=initiator, version=VERSION, identity=config.identity,
                               swarm_key=config.swarm_key, limits=config.limits.as_dict(), app=config.app,
@@ -102,9 +86,8 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._tasks = TaskSet("connection", on_failure=self._task_failed)
         self._sender = Sender(config.limits.max_inflight_bytes, config.offload_threshold_bytes)
-        self._calls: dict[int, Inbox] = {}
-        self._handlers: dict[int, asyncio.Task] = {}
-        self._call_slots = asyncio.Semaphore(config.max_pending_calls)
+        self._calls = Calls(self)  # ours, as the caller
+        self._dispatch = Dispatch(self, router, limiter)  # the peer's, as the server
         self._last_rx = self._loop.time()
         self._undelivered = 0
         self._reading_paused = False
@@ -217,15 +200,13 @@ class Connection(asyncio.Protocol):
 
     def _on_event(self, event: object) -> None:
         if isinstance(event, Answer):
-            self._on_answer(event.rid, event.frame)
+            self._calls.answer(event.rid, event.frame)
         elif isinstance(event, Send):
             self._sender.control(event.frame)
         elif isinstance(event, Incoming):
-            self._on_request(event)
+            self._dispatch.request(event)
         elif isinstance(event, Cancelled):
-            task = self._handlers.get(event.rid)  # None: refused at once, nothing runs
-            if task is not None:
-                task.cancel("the caller cancelled")
+            self._dispatch.cancelled(event.rid)
         elif isinstance(event, Ready):
             self._become_ready(event)
         elif isinstance(event, PeerRefused):
@@ -269,150 +250,19 @@ class Connection(asyncio.Protocol):
             self._sender.attach(Sealer(ready.keys[0], self._socket_writelines()).writelines)
         self._sender.budget.capacity = self._proto.send_limits.max_inflight_bytes
         self.remote = ready.remote
-        self._rate_key = self.remote.peer_id or ("source", source_of(self._address))
+        self._dispatch.rate_key = self.remote.peer_id or ("source", source_of(self._address))
         self._ready.set_result(self.remote)
         self._tasks.spawn(self._heartbeat(), "heartbeat")
-
-    # --------------------------------------------------------------------------- server side
-
-    def _on_request(self, request: Incoming) -> None:
-        rid = request.rid
-        if self._proto.going_away:
-            self._refuse_request(rid, CODE_GOING_AWAY, "the server is shutting down")
-        elif self._limiter is not None and not self._limiter.allow(self._rate_key):
-            if self._config.traffic is not None:
-                self._config.traffic.rate_limited_calls += 1
-            self._refuse_request(rid, CODE_RATE_LIMITED, f"over {self._config.rate_limit_per_s} calls/s")
-        elif len(self._handlers) >= self._config.max_concurrent_handlers:
-            self._refuse_request(rid, CODE_OVERLOADED, f"{len(self._handlers)} calls already running")
-        else:
-            task = self._handlers[rid] = self._tasks.spawn(self._serve(request), f"request {rid}")
-            # Not a `finally` in _serve: a task cancelled before its first step never runs its body.
-            task.add_done_callback(lambda _, rid=rid: self._request_done(rid))
-
-    def _refuse_request(self, rid: int, code: str, message: str) -> None:
-        self._proto.request_done(rid)
-        self._send_error(rid, code, message)
-
-    def _request_done(self, rid: int) -> None:
-        self._handlers.pop(rid, None)
-        self._proto.request_done(rid)
-
-    async def _serve(self, request: Incoming) -> None:
-        rid, method = request.rid, request.method
-        deadline = None if request.timeout is None else self._loop.time() + request.timeout
-        scope = asyncio.timeout_at(deadline)
-        try:
-            async with scope:
-                await self._run_handler(rid, method, request.frame, deadline)
-        except TimeoutError:
-            if not scope.expired():
-                raise
-            self._send_error(rid, CODE_DEADLINE, f"{method} ran past its deadline")
-        except RpcError as exc:
-            self._send_error(rid, exc.code, exc.message)
-        except ProtocolError as exc:  # the request's tensors do not decode: the peer's fault
-            log.warning("closing connection from %s: %s", self._address, exc)
-            self.abort(exc)
-        except asyncio.CancelledError:
-            if self._sender.drop(rid).partial:  # abandon a reply that is partly on the wire
-                self._send_error(rid, CODE_CANCELLED, "cancelled")
-            raise
-        except Exception as exc:
-            log.exception("handler of %s failed", method)
-            self._send_error(rid, CODE_INTERNAL, f"{type(exc).__name__}: {exc}")
-
-    async def _run_handler(self, rid: int, method: str, frame: Frame, deadline: float | None) -> None:
-        entry = self._router.lookup(method) if self._router is not None else None
-        if entry is None:
-            raise RpcError(CODE_UNKNOWN_METHOD, f"no method {method!r}")
-        kind, handler = entry
-        meta, tensors = await self._decode(frame.header, frame.buffers)
-        assert self.remote is not None
-        request = Request(method, meta, tensors, deadline, self.remote)
-        if kind == "unary":
-            reply = await handler(request)
-            await self._send_message(Kind.RESPONSE, rid, payload.check_reply(method, reply), {})
-            return
-        items = handler(request)
-        try:
-            async for item in items:
-                await self._send_message(Kind.STREAM_ITEM, rid, payload.check_reply(method, item), {})
-        finally:
-            await items.aclose()
-        self._sender.frames(rid, [encode_frame(Kind.STREAM_END, {ID: rid})])
-
-    def _send_error(self, rid: int, code: str, message: str) -> None:
-        if self._proto.closed is None:
-            self._sender.frames(rid, [self._proto.error_frame(rid, code, message)])
 
     # --------------------------------------------------------------------------- client side
 
     async def call(self, method: str, message: Message = Message(), *, timeout: float) -> Message:
         """Send one request and wait for its one reply; DeadlineExceeded after `timeout` seconds."""
-        scope = asyncio.timeout(timeout)
-        try:
-            async with scope, self._call_slots:
-                rid = self._start_call(stream=False)
-                try:
-                    await self._send_request(rid, method, message, self._loop.time() + timeout)
-                    return await self._answer_message(await self._calls[rid].next())
-                finally:
-                    self._end_call(rid)
-        except TimeoutError:
-            if scope.expired():
-                raise DeadlineExceeded(f"{method} got no answer within {timeout} s") from None
-            raise
+        return await self._calls.call(method, message, timeout)
 
     def stream(self, method: str, message: Message = Message(), *, timeout: float) -> StreamCall:
         """A call answered by a stream of messages; iterate it, ideally inside `async with`."""
         return StreamCall(lambda: self, method, message, timeout)
-
-    def _start_call(self, stream: bool) -> int:
-        rid = self._proto.start_call(stream)
-        self._calls[rid] = Inbox()
-        return rid
-
-    def _on_answer(self, rid: int, frame: Frame) -> None:
-        if frame.kind is Kind.STREAM_ITEM:
-            self._account_undelivered(payload.frame_bytes(frame))
-        self._calls[rid].push(frame)
-
-    def _end_call(self, rid: int) -> None:
-        """Forget a call; if it is unanswered, take back what is unsent and tell the server."""
-        inbox = self._calls.pop(rid, None)
-        if inbox is None:
-            return
-        for item in inbox.frames:  # items the consumer never took
-            if item.kind is Kind.STREAM_ITEM:
-                self._account_undelivered(-payload.frame_bytes(item))
-        cancel = self._proto.end_call(rid, untouched=self._sender.drop(rid).untouched)
-        if cancel is not None:
-            self._sender.control(cancel)
-
-    async def _send_request(self, rid: int, method: str, message: Message, deadline: float) -> None:
-        extra = {"m": method, "t": max(0.0, deadline - self._loop.time())}
-        await self._send_message(Kind.REQUEST, rid, message, extra)
-        self._proto.call_sent(rid)
-
-    async def _answer_message(self, frame: Frame) -> Message:
-        if frame.kind is Kind.ERROR:
-            raise RemoteError(str(frame.header.get("code")), str(frame.header.get("msg")))
-        try:
-            meta, tensors = await self._decode(frame.header, frame.buffers)
-        except ProtocolError as exc:  # the peer sent a reply that does not decode: drop it
-            log.warning("closing connection to %s: %s", self._address, exc)
-            self.abort(exc)
-            raise
-        return Message(meta, tensors)
-
-    async def _next_stream_item(self, rid: int) -> Message | None:
-        frame = await self._calls[rid].next()
-        if frame.kind is Kind.STREAM_ITEM:
-            self._account_undelivered(-payload.frame_bytes(frame))
-        elif frame.kind is Kind.STREAM_END:
-            return None
-        return await self._answer_message(frame)
 
     # ----------------------------------------------------------------------- sending payloads
 
@@ -472,7 +322,7 @@ class Connection(asyncio.Protocol):
             goaway = self._proto.goaway_frame()
             if goaway is not None:
                 self._sender.control(goaway)
-            await self._drain(lambda: bool(self._sender.outbox or self._handlers))
+            await self._drain(lambda: bool(self._sender.outbox or self._dispatch.running))
             flushed = not self._sender.outbox and self._transport.get_write_buffer_size() == 0
             self._shutdown(ConnectionLost("closed locally"))
             # A peer that stopped reading would hold a graceful close open forever.
@@ -526,8 +376,7 @@ class Connection(asyncio.Protocol):
         lost = error if isinstance(error, ConnectionLost) else ConnectionLost(f"connection closed: {error}")
         if lost is not error:
             lost.__cause__ = error
-        for inbox in self._calls.values():
-            inbox.fail(lost)
+        self._calls.fail_all(lost)
         self._sender.budget.fail(lost)
         self._tasks.cancel_all("connection closed")
         if self._on_closed is not None:

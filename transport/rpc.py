@@ -1,7 +1,8 @@
 """The RPC surface the rest of swarmd programs against (see docs/architecture.md, transport.rpc).
 
 Implementation lives in small modules: `message` (value types and Router), `config`, `handshake`
-(sans-IO hello), `connection` (the asyncio shell around `wire`), `outbox` (fair writer queue and
+(sans-IO hello), `connection` (the asyncio shell around `protocol`, with `calls`, the caller's side,
+and `dispatch`, the server's), `outbox` (fair writer queue and
 byte budget), `server`, `pool`, `sockopts`, `gate` (unproven-connection quotas), `ratelimit`
 (per-peer call buckets), `seal` (encrypted records). Use `new_event_loop` (or `run`) to get uvloop when it
 is installed and plain asyncio otherwise.
@@ -14,8 +15,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from .config import RpcConfig
-from .connection import (
-    CODE_BAD_REPLY,
+from .connection import Admit, Connection, StreamCall
+from .dispatch import (
     CODE_CANCELLED,
     CODE_DEADLINE,
     CODE_GOING_AWAY,
@@ -23,11 +24,9 @@ from .connection import (
     CODE_OVERLOADED,
     CODE_RATE_LIMITED,
     CODE_UNKNOWN_METHOD,
-    Admit,
-    Connection,
-    StreamCall,
 )
 from .message import DEFAULT_CODEC, Message, RemoteInfo, Request, Router
+from .payload import CODE_BAD_REPLY
 from .pool import Address, Pool, parse_address
 from .server import RpcServer
 from .sockopts import SocketOptions

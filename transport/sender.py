@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from . import payload
+import transport.payload as payload
 from .message import Message
 from .outbox import Budget, Dropped, Outbox, payload_bytes
 from .wire import ID, Kind, Piece, encode_frame, encode_message

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarmd.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DHTConfig:
@@ -143,12 +145,15 @@ class DHTConfig:
     max_pending_handoffs: int = 256
 
     def __post_init__(self) -> None:
+        """Raises `ConfigError` keyed by the field (the daemon's config places it under `dht.`), so
+        a refused combination reaches the operator as a setting to fix, like any other."""
         if not self.max_announce_ttl > self.refresh_interval:
-            raise ValueError(f"max_announce_ttl ({self.max_announce_ttl:g} s) must exceed refresh_interval "
-                             f"({self.refresh_interval:g} s), or storers drop announcements between refreshes")
+            raise ConfigError("max_announce_ttl", f"{self.max_announce_ttl:g} s must exceed refresh_interval "
+                              f"({self.refresh_interval:g} s), or storers drop announcements between refreshes")
         if not 0.0 < self.max_source_share <= 1.0:
-            raise ValueError("max_source_share must be in (0, 1]: the share of a node one network may hold")
+            raise ConfigError("max_source_share", "must be in (0, 1]: the share of a node one network may hold")
         if not 1 <= self.get_miss_settle <= self.get_width:
-            raise ValueError(f"need 1 <= get_miss_settle ({self.get_miss_settle}) <= get_width ({self.get_width})")
+            raise ConfigError("get_miss_settle", f"need 1 <= get_miss_settle ({self.get_miss_settle}) "
+                              f"<= get_width ({self.get_width})")
         if self.max_subkeys_per_source < 1:
-            raise ValueError("max_subkeys_per_source must be at least 1, or no network could store anything")
+            raise ConfigError("max_subkeys_per_source", "must be at least 1, or no network could store anything")

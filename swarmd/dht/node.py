@@ -17,11 +17,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import swarmd.dht.protocol as P
 from swarmd.clock import Clock, RealClock
 from swarmd.supervisor import Supervisor
 from transport.identity import Identity
 
-from . import protocol as P
 from .config import DHTConfig
 from .errors import CallFailed, DHTProtocolError, DHTUsageError, RecordRejected, RemoteFailure, WrongPeer
 from .lookup import Lookup, LookupResult
@@ -52,6 +52,11 @@ class Announcement:
     next_due: float = 0.0
     last_expiration: float = 0.0
     withdrawn: bool = False
+
+
+def _value_task(ann: Announcement) -> str:
+    """The announcement's name in the supervisor's faults (its key, as far as people tell keys apart)."""
+    return f"value of announcement {ann.key.hex()[:16]}"
 
 
 class DHTNode:
@@ -485,9 +490,11 @@ class DHTNode:
         ann.next_due = self.clock.monotonic() + cfg.refresh_interval
         try:
             value = ann.value_fn()
-        except Exception:  # the caller's callback: its bug must not stop our other announcements
-            log.exception("value_fn of the announcement under %r failed; retrying next period", ann.key)
+        except Exception as exc:  # noqa: BLE001 - the caller's bug must not stop our other announcements
+            self._value_fn_failed(ann, exc)
             return
+        if self.supervisor is not None:
+            self.supervisor.recovered(_value_task(ann))
         try:
             if not isinstance(value, bytes) or not value:
                 raise DHTUsageError("an announcement's value_fn returns non-empty bytes")
@@ -501,6 +508,14 @@ class DHTNode:
         accepted = await self._replicate(ann.key, record)
         if not accepted and not ann.withdrawn:  # isolated: try again soon rather than a whole period later
             ann.next_due = self.clock.monotonic() + cfg.rebootstrap_interval
+
+    def _value_fn_failed(self, ann: Announcement, exc: Exception) -> None:
+        """Logged with its traceback and, under a supervisor, shown in its faults (`swarmctl
+        status`): the announcement is missing from the DHT until its value_fn is fixed."""
+        if self.supervisor is None:
+            log.error("value_fn of the announcement under %r failed; retrying next period", ann.key, exc_info=exc)
+        else:
+            self.supervisor.record(_value_task(ann), exc, self.config.refresh_interval)
 
     async def _maintenance_loop(self) -> None:
         cfg = self.config

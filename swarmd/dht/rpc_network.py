@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 
+import swarmd.dht.protocol as P
 from transport.errors import (ConnectionLost, DeadlineExceeded, LocalProtocolError, ProtocolError, RemoteError,
                               RpcError, TransportError)
 from transport.identity import Identity
 from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 
-from . import protocol as P
 from .config import DHTConfig
 from .errors import DHTProtocolError, PeerTimeout, PeerUnreachable, RemoteFailure
 from .network import Caller, Handler, Reply

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import torch
 
 from swarmd.job.spec import JobSpec
 from swarmd.model import build_stage
-from swarmd.stage import checkpoint as ckpt
-from swarmd.stage.state import StateError, check_params, download
+from swarmd.optim import OptimizerState
+import swarmd.stage.checkpoint as ckpt
+from swarmd.stage.state import Snapshot, StateError, check_params, download, snapshot_messages
 from transport.codecs import DTYPES
 from transport.errors import RpcError, TransportError
 from transport.rpc import Message, Pool
@@ -117,18 +118,13 @@ def from_checkpoint(state_dir: Path | None, job_id: bytes, index: int, module: t
     return snapshot.step, f"checkpoint {directory}/step-{snapshot.step:010d}.pt", snapshot.params
 
 
-def _pieces(index: int, params: dict[str, torch.Tensor]):
-    pieces, tensors, size = [], [], 0
-    for name, tensor in params.items():
-        flat = tensor.reshape(-1)
-        per = max(1, EXPORT_CHUNK_BYTES // max(1, tensor.element_size()))
-        for offset in range(0, max(flat.numel(), 1), per):
-            part = flat[offset: offset + per]
-            if tensors and size + part.numel() * part.element_size() > EXPORT_CHUNK_BYTES:
-                yield Message({"kind": "tensors", "stage": index, "pieces": pieces}, tensors, codec="none")
-                pieces, tensors, size = [], [], 0
-            pieces.append([name, offset])
-            tensors.append(part)
-            size += part.numel() * part.element_size()
-    if tensors:
-        yield Message({"kind": "tensors", "stage": index, "pieces": pieces}, tensors, codec="none")
+def _pieces(index: int, params: dict[str, torch.Tensor]) -> Iterator[Message]:
+    """The stage's parameters in "tensors" messages of at most `EXPORT_CHUNK_BYTES`, a large tensor
+    split: chunked by the state download's own `snapshot_messages` (a snapshot with no optimizer
+    part), whose "pieces" messages name each piece [table, name, offset]; the export names it
+    [name, offset] (docs/control-api.md)."""
+    snapshot = Snapshot(0, params, OptimizerState({}, {}))
+    for message in snapshot_messages(snapshot, EXPORT_CHUNK_BYTES):
+        if message.meta["kind"] == "pieces":
+            pieces = [[name, offset] for _, name, offset in message.meta["pieces"]]
+            yield Message({"kind": "tensors", "stage": index, "pieces": pieces}, message.tensors, codec="none")

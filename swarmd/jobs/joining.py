@@ -36,13 +36,14 @@ import time
 from typing import Any
 
 from swarmd.dht.errors import DHTError
+from swarmd.errors import SwarmdError
 from swarmd.jobs.directory import announcement_value, stage_key
 from swarmd.jobs.registry import FINAL_STATES, Job, JobRegistry
 from swarmd.jobs.remembered import Key, RememberedStages
 from swarmd.rebalance.policy import choose_join_stage
 from swarmd.rebalance.table import DRAINING, JOINING, SERVING, PeerLoad, StageTable, bounded_speeds
 from swarmd.supervisor import Supervisor
-from transport.errors import TransportError
+from transport.errors import RpcError, TransportError
 from transport.identity import peer_id_of
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ MAX_JOIN_TRIES_PER_TICK = 8
 #: jobs must not grow the log every tick.
 JOIN_RETRY_INTERVALS = 2
 JOIN_RETRY_MAX_S = 600.0
+#: What joining or leaving a stage is expected to fail with: swarmd's own errors (a stage too large,
+#: a state download or checkpoint that failed, a precision this device lacks, a DHT call), the
+#: transport's and the socket's, a timeout. Those are logged and tried again later; anything else is
+#: a bug, which ends the tick and reaches the `Supervisor` running the loop (traceback logged, shown
+#: in `swarmctl status`, loop restarted after its backoff).
+STAGE_FAILURES = (SwarmdError, TransportError, RpcError, OSError, TimeoutError)
 #: Announced peer states as the join rule counts them; anything else is not counted.
 STATES = {"serving": SERVING, "joining": JOINING, "draining": DRAINING, "stopping": DRAINING}
 
@@ -204,7 +211,7 @@ class Joining:
                 continue
             try:
                 await self.serving.leave(job_id, stage)
-            except Exception as exc:  # noqa: BLE001 - logged; the next tick tries again
+            except STAGE_FAILURES as exc:  # the next tick tries again; a bug goes to the supervisor
                 log.warning("could not leave stage %d of ended job %s: %s", stage, job.spec.name, exc)
                 continue
             log.info("left stage %d of job %s: the job %s", stage, job.spec.name, job.ended.text())
@@ -284,13 +291,12 @@ class Joining:
         intent = intent or self._intent(job, stage)
         try:
             await self.serving.serve(job.spec, job.job_id, stage, submitter=job.submitter)
-        except asyncio.CancelledError:
+        except BaseException as exc:
             await asyncio.shield(self._drop(job, stage, intent))
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failed join is logged and tried again later
+            if not isinstance(exc, STAGE_FAILURES):
+                raise  # cancelled, or a bug: up to the supervisor, which logs and shows it
             log.log(logging.DEBUG if quiet else logging.WARNING, "could not serve stage %d of job %s (%s): %s",
                     stage, job.spec.name, job.job_id.hex()[:16], exc)
-            await self._drop(job, stage, intent)
             return False
         log.info("%s stage %d of job %s (%s)", how, stage, job.spec.name, job.job_id.hex()[:16])
         return True

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from swarmd.errors import ConfigError
 from swarmd.jobs.moving import DRAINING, JOINING, SERVING
 from swarmd.rebalance.gossip import CODE_UNAVAILABLE, METHOD, GossipConfig, GossipService, OwnLoad
 from swarmd.rebalance.mover import MoveFailed, RebalanceLoop
@@ -49,14 +50,28 @@ class RebalanceSettings:
 
     @classmethod
     def from_section(cls, section: Any) -> "RebalanceSettings":
-        """Raises ValueError naming the setting when the combination is invalid (e.g. jitter >= 1)."""
-        policy = PolicyConfig(period_s=section.period_s, jitter=section.jitter,
-                              confirm_after_s=section.confirm_after_s, margin=section.margin,
-                              max_moves=section.max_moves, speed_tolerance=section.speed_tolerance)
-        gossip = GossipConfig(period_s=section.gossip_interval_s, fanout=section.gossip_fanout,
-                              call_timeout_s=section.gossip_timeout_s, members_ttl_s=section.membership_ttl_s,
-                              max_exchange_entries=section.gossip_max_entries)
+        """Raises `ConfigError` with the section's own key (`[rebalance] gossip_interval_s`, not the
+        gossip's `period_s`) when the parts refuse a value or a combination (a jitter of 1 or more),
+        so the daemon's start and `--check-config` report it like any other setting."""
+        try:
+            policy = PolicyConfig(period_s=section.period_s, jitter=section.jitter,
+                                  confirm_after_s=section.confirm_after_s, margin=section.margin,
+                                  max_moves=section.max_moves, speed_tolerance=section.speed_tolerance)
+        except ConfigError as exc:
+            raise ConfigError(exc.key, exc.message, source="[rebalance]") from None
+        try:
+            gossip = GossipConfig(period_s=section.gossip_interval_s, fanout=section.gossip_fanout,
+                                  call_timeout_s=section.gossip_timeout_s, members_ttl_s=section.membership_ttl_s,
+                                  max_exchange_entries=section.gossip_max_entries)
+        except ConfigError as exc:
+            key = _GOSSIP_KEYS.get(exc.key, exc.key)
+            raise ConfigError(key, exc.message, source="[rebalance]") from None
         return cls(section.enabled, policy, gossip, section.drain_timeout_s)
+
+
+#: `GossipConfig` fields by the `[rebalance]` keys they are set from (the policy's keys are its own).
+_GOSSIP_KEYS = {"period_s": "gossip_interval_s", "fanout": "gossip_fanout", "call_timeout_s": "gossip_timeout_s",
+                "members_ttl_s": "membership_ttl_s", "max_exchange_entries": "gossip_max_entries"}
 
 
 class GossipDispatch:
@@ -207,12 +222,14 @@ class Rebalancing:
                 continue
             job = JobRebalancer(job_id, stages, self.identity, self.serving, self.dispatch, self.pool,
                                 self.directory, self.settings, self._count_move, self.supervisor)
+            started = f"start job {job_id.hex()[:16]}"
             try:
                 await job.start()
-            except Exception:  # a bug or a broken part must not end rebalancing for every job
-                log.exception("rebalancing could not start for job %s; retrying", job_id.hex()[:16])
+            except Exception as exc:  # noqa: BLE001 - a bug or a broken part must not end rebalancing
+                self.supervisor.record(started, exc, RECONCILE_S)  # for every job: shown, retried
                 await job.stop()
                 continue
+            self.supervisor.recovered(started)
             self.jobs[job_id] = job
             log.info("rebalancing job %s every %g s (gossip every %g s)", job_id.hex()[:16],
                      self.settings.policy.period_s, self.settings.gossip.period_s)

@@ -32,7 +32,7 @@ from swarmd.jobs.probing import Prober
 from swarmd.model.export import ExportError
 from swarmd.model.precision import PrecisionError
 from swarmd.rebalance.mover import MoveFailed
-from swarmd.stage import checkpoint as ckpt
+import swarmd.stage.checkpoint as ckpt
 from swarmd.stage.limits import StageLimits
 from swarmd.stage.resume import ProgressAnchor
 from swarmd.stage.service import StageService

@@ -47,6 +47,14 @@ RATE_WINDOW = 10
 FINISH_GRACE_S = 10.0
 
 
+async def _expire_on_end(job: Job, scope: asyncio.Timeout) -> None:
+    """Expire `scope`, stopping the trainer inside it, once the job ends swarm-wide: at once, or
+    `FINISH_GRACE_S` later when it ended done (the trainer is about to see the last commit)."""
+    await job.end_seen.wait()
+    grace = FINISH_GRACE_S if job.ended is not None and job.ended.state == "done" else 0.0
+    scope.reschedule(asyncio.get_running_loop().time() + grace)
+
+
 class Training:
     def __init__(self, pool: Any, directory: Any, config: TrainerConfig = TrainerConfig(),
                  supervisor: Supervisor | None = None) -> None:
@@ -104,23 +112,28 @@ class Training:
 
     @staticmethod
     async def _until_ended(job: Job, trainer: Trainer) -> None:
-        """Run the trainer until it finishes or the job ends, whichever comes first."""
+        """Run the trainer until it finishes or the job ends, whichever comes first.
+
+        Structured, so neither side outlives the other: the trainer runs in this task inside a
+        cancel scope (`asyncio.timeout`) that `_expire_on_end`, a task of the group around it,
+        expires when the job ends; the watcher is cancelled when the trainer returns. The trainer's
+        own error reaches the supervisor as itself (a `TrainerError` stays final), not as a group."""
         if job.end_seen.is_set():
             return
-        run = asyncio.ensure_future(trainer.run())
-        ended = asyncio.ensure_future(job.end_seen.wait())
+        failure: BaseException | None = None
         try:
-            await asyncio.wait({run, ended}, return_when=asyncio.FIRST_COMPLETED)
-            if not run.done() and job.ended is not None and job.ended.state == "done":
-                await asyncio.wait({run}, timeout=FINISH_GRACE_S)
-        finally:
-            for task in (run, ended):
-                task.cancel()
-            await asyncio.gather(run, ended, return_exceptions=True)
-        if run.done() and not run.cancelled() and run.exception() is not None:
-            raise run.exception()
-        if not run.done() or run.cancelled():
+            async with asyncio.timeout(None) as scope, asyncio.TaskGroup() as race:
+                watcher = race.create_task(_expire_on_end(job, scope))
+                try:
+                    await trainer.run()
+                finally:
+                    watcher.cancel()
+        except TimeoutError:  # only the expired scope raises it bare: the group wraps the trainer's own
             log.info("trainer %d of %s stopped: the job %s", trainer.shard, job.spec.name, job.ended.text())
+        except BaseExceptionGroup as group:  # the trainer's error: the watcher only waits
+            failure = group.exceptions[0] if len(group.exceptions) == 1 else group
+        if failure is not None:
+            raise failure  # outside the handler: its traceback is the trainer's, not the group's
 
     def _on_event(self, job: Job, shard: int, event: StepEvent | StatusEvent) -> None:
         if isinstance(event, StatusEvent):

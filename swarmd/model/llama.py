@@ -177,26 +177,9 @@ class LlamaStage(LanguageModelStage):
         self.norm = RMSNorm(config.d_model, config.norm_eps) if self.is_last else None
         self.head = nn.Linear(config.d_model, config.vocab, bias=False) if self.is_last else None
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Activations (B, T, C) for the next stage, or on the last stage the sample-summed loss."""
-        if not self.is_last:
-            if targets is not None:
-                raise ValueError(f"only the last stage takes targets; this is stage {self.stage_index}")
-            return self.hidden(x)
-        if targets is None:
-            raise ValueError("the last stage needs targets: it returns the loss, never logits")
-        return self.sample_losses(x, targets).sum()
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self.tok_emb(x)  # (B, T, C); positions enter through the rotary turn in attention
-        for i in range(self.config.layers_per_stage):
-            x = self.blocks[0 if self.config.share_layers else i](x)  # (B, T, C)
-        return x
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, vocab): for sampling from a whole model, never sent over the network."""
-        return self.head(self.norm(self.hidden(x)))
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings alone: positions enter through the rotary turn in attention."""
+        return self.tok_emb(tokens)  # (B, T, C)
 
 
 def build_llama_stage(config: LlamaConfig, stage_index: int, num_stages: int, seed: int,

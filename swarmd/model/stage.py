@@ -85,13 +85,43 @@ def init_generator(job_seed: int, stage_index: int) -> torch.Generator:
 
 class LanguageModelStage(Stage):
     """A token language model's stage: token ids in at the first, d_model-wide activations between
-    stages, per-sample mean cross-entropy at the last. Subclasses give `logits(x)` and `config.d_model`."""
+    stages, per-sample mean cross-entropy at the last.
+
+    The forward contract, the run through the stage's blocks and the loss are the same for every
+    architecture, so they live here; a subclass builds `blocks` (one shared block when
+    `config.share_layers`, else `config.layers_per_stage`), the last stage's `norm` and `head`, and
+    gives `embed` for the first stage (where architectures differ: learned positions or none)."""
 
     config: Any
+    blocks: nn.ModuleList
+    norm: nn.Module | None
+    head: nn.Module | None
 
     @abc.abstractmethod
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first stage's (B, T, C) activations from (B, T) token ids."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Activations (B, T, C) for the next stage, or on the last stage the sample-summed loss."""
+        if not self.is_last:
+            if targets is not None:
+                raise ValueError(f"only the last stage takes targets; this is stage {self.stage_index}")
+            return self.hidden(x)
+        if targets is None:
+            raise ValueError("the last stage needs targets: it returns the loss, never logits")
+        return self.sample_losses(x, targets).sum()
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's blocks over its input (embedded first on the first stage), (B, T, C)."""
+        if self.is_first:
+            x = self.embed(x)
+        for i in range(self.config.layers_per_stage):
+            x = self.blocks[0 if self.config.share_layers else i](x)  # (B, T, C)
+        return x
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, vocab) from this (last) stage's input."""
+        """(B, T, vocab): for sampling from a whole model, never sent over the network."""
+        return self.head(self.norm(self.hidden(x)))
 
     def sample_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Each sample's mean token cross-entropy, (B,): an executor that batched several

@@ -114,28 +114,10 @@ class TransformerStage(LanguageModelStage):
         self.norm = nn.LayerNorm(config.d_model) if self.is_last else None
         self.head = nn.Linear(config.d_model, config.vocab, bias=False) if self.is_last else None
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Activations (B, T, C) for the next stage, or on the last stage the sample-summed loss."""
-        if not self.is_last:
-            if targets is not None:
-                raise ValueError(f"only the last stage takes targets; this is stage {self.stage_index}")
-            return self.hidden(x)
-        if targets is None:
-            raise ValueError("the last stage needs targets: it returns the loss, never logits")
-        return self.sample_losses(x, targets).sum()
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            T = x.shape[1]
-            positions = torch.arange(T, device=x.device)  # (T,)
-            x = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, C)
-        for i in range(self.config.layers_per_stage):
-            x = self.blocks[0 if self.config.share_layers else i](x)  # (B, T, C)
-        return x
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, vocab): for sampling from a whole model, never sent over the network."""
-        return self.head(self.norm(self.hidden(x)))
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings plus learned position embeddings."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
+        return self.tok_emb(tokens) + self.pos_emb(positions)  # (B, T, C)
 
 
 def build_transformer_stage(config: TransformerConfig, stage_index: int, num_stages: int, seed: int,

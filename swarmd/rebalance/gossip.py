@@ -36,6 +36,7 @@ import torch
 from swarmd.clock import Clock, RealClock
 from swarmd.dht.errors import DHTError
 from swarmd.directory import StageDirectory
+from swarmd.errors import ConfigError
 from swarmd.rebalance.table import StageTable
 from swarmd.supervisor import Supervisor
 from swarmd.rebalance.view import (
@@ -106,22 +107,25 @@ class GossipConfig:
     limits: ViewLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
+        """Raises `ConfigError` keyed by the field's name (`RebalanceSettings` maps it to its
+        `[rebalance]` key), so a refused setting is reported as configuration, not as a bug."""
         positive = ("period_s", "call_timeout_s", "backoff_base_s", "backoff_max_s", "inbound_rate_per_s",
                     "members_ttl_s")
         for name in positive:
             if not getattr(self, name) > 0:
-                raise ValueError(f"GossipConfig.{name} must be positive, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)!r}")
         if not 0 <= self.jitter < 1:
-            raise ValueError(f"GossipConfig.jitter must be in [0, 1), got {self.jitter!r}")
-        if self.fanout < 1 or self.max_tracked_callers < 1:
-            raise ValueError("GossipConfig.fanout and max_tracked_callers must be at least 1")
+            raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter!r}")
+        for name in ("fanout", "max_tracked_callers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be at least 1, got {getattr(self, name)!r}")
         if not 0 <= self.max_exchange_entries < self.limits.max_batch:
-            raise ValueError(f"GossipConfig.max_exchange_entries must be in [0, limits.max_batch - 1], "
-                             f"got {self.max_exchange_entries!r}: an exchange carries them and our own entry")
+            raise ConfigError("max_exchange_entries", f"must be in [0, limits.max_batch - 1], got "
+                              f"{self.max_exchange_entries!r}: an exchange carries them and our own entry")
         if self.inbound_burst < 1:
-            raise ValueError("GossipConfig.inbound_burst must be at least 1, or no call is ever admitted")
+            raise ConfigError("inbound_burst", "must be at least 1, or no call is ever admitted")
         if self.backoff_max_s < self.backoff_base_s:
-            raise ValueError("GossipConfig.backoff_max_s must be at least backoff_base_s")
+            raise ConfigError("backoff_max_s", "must be at least backoff_base_s")
 
 
 @dataclass(frozen=True)

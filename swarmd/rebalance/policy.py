@@ -21,6 +21,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from swarmd.errors import ConfigError
 from swarmd.rebalance.table import SERVING, PeerLoad, StageTable
 
 
@@ -47,14 +48,19 @@ class PolicyConfig:
     speed_tolerance: float = 0.3
 
     def __post_init__(self):
-        if self.period_s <= 0 or self.confirm_after_s <= 0:
-            raise ValueError("period_s and confirm_after_s must be positive")
+        """Raises `ConfigError` keyed by the field's name, which is also its `[rebalance]` key, so
+        the daemon and `--check-config` name the setting to fix without translating."""
+        for name in ("period_s", "confirm_after_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)!r}")
         if not 0 <= self.jitter < 1:
-            raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
-        if self.margin < 0 or self.max_moves < 1:
-            raise ValueError("margin must be >= 0 and max_moves >= 1")
+            raise ConfigError("jitter", f"must be in [0, 1), got {self.jitter}")
+        if not self.margin >= 0:
+            raise ConfigError("margin", f"must be >= 0, got {self.margin}")
+        if self.max_moves < 1:
+            raise ConfigError("max_moves", f"must be >= 1, got {self.max_moves}")
         if not 0 <= self.speed_tolerance < 1:
-            raise ValueError(f"speed_tolerance must be in [0, 1), got {self.speed_tolerance}")
+            raise ConfigError("speed_tolerance", f"must be in [0, 1), got {self.speed_tolerance}")
 
 
 @dataclass(frozen=True)

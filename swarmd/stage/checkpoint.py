@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from swarmd.optim import OptimizerState
+from swarmd.optim import OptimizerState, OptimizerStateError
 from swarmd.stage.state import STATE_FORMAT, Snapshot, StateError
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def read_checkpoint(path: Path, stage_index: int) -> Snapshot:
         raise StateError(f"{path.name}: missing params or step")
     try:
         optimizer = OptimizerState.from_dict(data.get("optimizer"))
-    except ValueError as exc:
+    except OptimizerStateError as exc:  # the file's optimizer part is damaged; anything else is a bug
         raise StateError(f"{path.name}: {exc}") from None
     return Snapshot(step, params, optimizer)
 

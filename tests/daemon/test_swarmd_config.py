@@ -176,6 +176,13 @@ def test_example_file_documents_every_key_and_is_valid(tmp_path: Path) -> None:
     load(["--config", str(EXAMPLE)], {})
 
 
+def test_a_dht_combination_refused_by_dhtconfig_is_named_under_dht() -> None:
+    """DHTConfig checks its fields together; the refusal is a ConfigError keyed `dht.<field>`."""
+    with pytest.raises(c.ConfigError) as refused:
+        load([], {"SWARMD_DHT_REFRESH_INTERVAL": "500"})
+    assert refused.value.key == "dht.max_announce_ttl" and refused.value.source == "configuration"
+
+
 @pytest.mark.slow
 def test_dht_settings_are_configurable_with_their_own_kinds(tmp_path: Path) -> None:
     cfg = tmp_path / "d.toml"

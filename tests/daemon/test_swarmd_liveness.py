@@ -7,7 +7,10 @@ import asyncio
 import pytest
 from waiting import until
 
+from swarmd.dht.errors import PeerTimeout
 from swarmd.liveness import PeerBook, ping_loop
+from swarmd.supervisor import Backoff, Supervisor
+from transport.errors import ConnectionLost
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
 
@@ -89,3 +92,42 @@ async def test_each_round_pings_a_bounded_sample_and_every_contact_in_turn() -> 
     first_three = rounds[0] + rounds[1] + rounds[2]
     assert sorted(set(first_three)) == sorted(a for _, a in contacts)  # all 20 reached ...
     assert len(first_three) == 24 and set(rounds[2][4:]) <= set(rounds[0])  # ... before any twice
+
+
+@pytest.mark.parametrize("failure", [PeerTimeout("no answer"), ConnectionLost("reset"), ConnectionRefusedError()])
+async def test_a_ping_that_found_no_peer_is_not_heard_from(failure: Exception) -> None:
+    """The expected failures of a ping (the DHT call's, the transport's, the socket's) mark the
+    peer as not heard from, and the loop goes on."""
+    results: list[bool] = []
+
+    async def ping(address: str) -> bytes:
+        raise failure
+
+    task = asyncio.create_task(ping_loop(PeerBook(5.0, 10), lambda: [(A, "a:1")], ping, interval_s=0.001,
+                                         timeout_s=1.0, sample=8, clock=lambda: 50.0, on_result=results.append))
+    await until(lambda: results.count(False) >= 3, 10, "three failed rounds")
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_an_unexpected_ping_error_reaches_the_supervisor_and_its_faults() -> None:
+    """A bug in the ping (here a KeyError) is no "not heard from": it ends the loop, and the
+    Supervisor the daemon runs it under records it (shown by `swarmctl status`) and restarts it."""
+    calls: list[str] = []
+
+    async def ping(address: str) -> bytes:
+        calls.append(address)
+        raise KeyError("a bug")
+
+    supervisor = Supervisor("liveness", backoff=Backoff(initial_s=0.01, max_s=0.01))
+    task = asyncio.create_task(supervisor.run("ping peers", lambda: ping_loop(
+        PeerBook(5.0, 10), lambda: [(A, "a:1")], ping, interval_s=0.001, timeout_s=1.0, sample=8,
+        clock=lambda: 50.0)))
+    await until(lambda: (fault := supervisor.faults.get("liveness: ping peers")) is not None and fault.restarts >= 2,
+                10, "two restarts")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "KeyError" in supervisor.faults.get("liveness: ping peers").last_error

@@ -260,3 +260,36 @@ def test_a_maintenance_loop_that_dies_is_restarted_and_shown():
         await node.stop()
 
     run(main)
+
+
+def test_a_failing_value_fn_is_shown_in_the_supervisors_faults():
+    """1. A node under a Supervisor announces a record whose value_fn raises a bug (a KeyError).
+       2. The failure is in the supervisor's faults (what `swarmctl status` shows), not only logged,
+          and counts down to the next period's retry.
+       3. Once the value_fn works again, the fault stops counting down: it ran again."""
+    from swarmd.supervisor import Faults, Supervisor
+
+    async def main(clock):
+        fabric, ident, faults = InMemoryFabric(seed=4), Identity.from_seed(b"value"), Faults()
+        node = DHTNode(ident, fabric.endpoint(ident, sim_address(1)), DHTConfig(), clock,
+                       supervisor=Supervisor("dht", faults))
+        broken = [True]
+
+        def value() -> bytes:
+            if broken[0]:
+                raise KeyError("a bug in the caller's value_fn")
+            return b"fine"
+
+        key = dht_key("job", "x")
+        await node.start()
+        node.announce(key, value)
+        await asyncio.sleep(1.0)
+        [fault] = faults.status()["tasks"]
+        assert fault["task"] == f"dht: value of announcement {key.hex()[:16]}" and "KeyError" in fault["last_error"]
+        assert fault["retry_in_s"] is not None
+        broken[0] = False
+        await asyncio.sleep(DHTConfig().refresh_interval + 1.0)
+        assert faults.status()["tasks"][0]["retry_in_s"] is None and faults.total == 1
+        await node.stop()
+
+    run(main)

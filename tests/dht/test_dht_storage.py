@@ -7,6 +7,7 @@ import pytest
 from swarmd.dht import DHTConfig, RecordRejected, dht_key
 from swarmd.dht.records import Record, sign_record
 from swarmd.dht.storage import Storage
+from swarmd.errors import ConfigError
 from transport.identity import Identity
 
 NOW = 1_800_000_000.0
@@ -200,6 +201,7 @@ def test_rejected_store_changes_nothing():
 
 
 def test_an_announcement_cap_below_the_refresh_period_is_a_config_error():
-    with pytest.raises(ValueError, match="max_announce_ttl"):
+    with pytest.raises(ConfigError) as refused:
         DHTConfig(refresh_interval=200.0)
+    assert refused.value.key == "max_announce_ttl"
     DHTConfig(refresh_interval=200.0, max_announce_ttl=1000.0)

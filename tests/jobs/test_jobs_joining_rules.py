@@ -3,17 +3,23 @@ rule's capacity view, and the served-stages file (atomic, and a damaged one set 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
 import pytest
+from waiting import until
 
 from swarmd.cli import parser
 from swarmd.config import ConfigError
 from swarmd.config import load as load_config
-from swarmd.jobs.joining import admits, capacity_table, join_stage
+from swarmd.errors import Busy
+from swarmd.jobs.joining import Joining, admits, capacity_table, join_stage
+from swarmd.jobs.registry import Job
 from swarmd.jobs.remembered import FILE_NAME, RememberedStages
 from swarmd.rebalance.policy import choose_join_stage
+from swarmd.supervisor import Backoff, Faults, Supervisor
+from transport.errors import ConnectionLost
 from transport.identity import Identity
 
 
@@ -112,3 +118,78 @@ def test_remembered_stages_round_trip_and_damage(tmp_path) -> None:
     (tmp_path / FILE_NAME).write_text('{"format": 1, "stages": [{"job": "zz", "stage": 0}]}')
     assert memory.load() == []
     assert (tmp_path / (FILE_NAME + ".bad")).exists() and not (tmp_path / FILE_NAME).exists()
+
+
+class OneJob:
+    """What a join tick reads of the registry and the DHT: one listed two-stage job, no peers."""
+
+    def __init__(self, ended: bool = False) -> None:
+        spec = SimpleNamespace(name="j", pipeline=SimpleNamespace(stages=2))
+        self.job = Job(b"j" * 32, spec, b"s" * 32, local=False)
+        self.job.ended = SimpleNamespace(text=lambda: "finished") if ended else None
+        self.jobs, self.listed, self.dht = {self.job.job_id: self.job}, {self.job.job_id}, self
+        self.withdrawn: list = []
+
+    async def refresh(self) -> None: ...
+    async def settle(self) -> None: ...
+    def publish_progress(self) -> None: ...
+
+    async def stage_peers(self, job: Job) -> list[dict]:
+        return [{"stage": i, "peers": []} for i in range(2)]
+
+    def announce(self, key, value_fn):
+        return key
+
+    async def withdraw(self, announcement) -> None:
+        self.withdrawn.append(announcement)
+
+
+class FailingServing:
+    """A daemon's `Serving` whose joins and leaves raise `error`."""
+
+    address = "127.0.0.1:1"
+
+    def __init__(self, error: BaseException, served: dict | None = None) -> None:
+        self.error, self.served = error, served or {}
+
+    async def serve(self, spec, job_id: bytes, stage: int, *, submitter: bytes) -> None:
+        raise self.error
+
+    async def leave(self, job_id: bytes, stage: int) -> None:
+        raise self.error
+
+
+def joining_over(registry: OneJob, serving: FailingServing, faults: Faults) -> Joining:
+    return Joining(registry, serving, None, peer_id=b"p" * 32, serve="all", max_stages=4, interval_s=0.01,
+                   rejoin_wait_s=60.0, settle_s=0.0, supervisor=Supervisor("joining", faults, Backoff(0.01, 0.01)))
+
+
+@pytest.mark.parametrize("error", [Busy("over jobs.max_stage_memory"), ConnectionLost("reset"), OSError("disk"),
+                                   TimeoutError()])
+@pytest.mark.parametrize("ended", [False, True])
+async def test_an_expected_join_or_leave_failure_is_logged_and_the_tick_goes_on(error, ended) -> None:
+    """A join (the job running) or a leave (the job ended) failing as stages do is tried again on a
+    later tick; a failed join's 'joining' intent is withdrawn."""
+    registry = OneJob(ended)
+    serving = FailingServing(error, {(registry.job.job_id, 0): object()} if ended else None)
+    await joining_over(registry, serving, Faults()).tick()
+    assert ended or registry.withdrawn
+
+
+@pytest.mark.parametrize("ended", [False, True])
+async def test_an_unexpected_join_or_leave_error_reaches_the_supervisor_and_status(ended) -> None:
+    """A bug in a join or a leave (a KeyError) is not logged as a failed join and retried each tick:
+    it ends the tick, with the intent withdrawn, and the Supervisor running the loop records it in
+    the daemon's faults (what `swarmctl status` shows under "supervision")."""
+    registry, faults = OneJob(ended), Faults()
+    serving = FailingServing(KeyError("a bug"), {(registry.job.job_id, 0): object()} if ended else None)
+    joining = joining_over(registry, serving, faults)
+    with pytest.raises(KeyError):
+        await joining.tick()
+    assert ended or registry.withdrawn
+    loop = asyncio.create_task(joining.supervisor.run("poll jobs", joining._poll_forever))
+    await until(lambda: faults.get("joining: poll jobs") is not None, 10, "the fault recorded")
+    loop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await loop
+    assert "KeyError" in faults.get("joining: poll jobs").last_error

@@ -21,6 +21,7 @@ import torch
 from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.errors import ConfigError
 from swarmd.rebalance.gossip import METHOD, GossipConfig, GossipService, GossipStopped, OwnLoad, TokenBuckets
 from swarmd.rebalance.view import LoadEntry, ViewLimits, decode_entries, encode_entries
 from transport.errors import ConnectionLost, RemoteError
@@ -495,7 +496,8 @@ async def test_an_exchange_carries_the_own_entry_and_a_bounded_sample_and_views_
 
 
 def test_the_exchange_cap_is_checked():
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError) as refused:
         GossipConfig(max_exchange_entries=-1)
+    assert refused.value.key == "max_exchange_entries"
     with pytest.raises(ValueError):
         GossipConfig(max_exchange_entries=64, limits=ViewLimits(max_batch=64))

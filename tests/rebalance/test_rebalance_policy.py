@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from swarmd.errors import ConfigError
 from swarmd.rebalance.policy import (
     Move, PolicyConfig, PolicyState, choose_join_stage, jitter_factor, move_plan, plan,
 )
@@ -185,8 +186,13 @@ def test_speeds_beyond_the_tolerance_still_pick_the_best_mover():
 
 
 def test_bad_config_is_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError) as refused:
         PolicyConfig(speed_tolerance=1.0)
+    assert refused.value.key == "speed_tolerance"
+    for field in ("period_s", "confirm_after_s"):
+        with pytest.raises(ConfigError) as refused:
+            PolicyConfig(**{field: 0})
+        assert refused.value.key == field
     with pytest.raises(ValueError):
         move_plan(table_of([3, 1]), 0.01, speed_tolerance=-0.1)
     with pytest.raises(ValueError):

@@ -10,13 +10,16 @@ import pytest
 
 from swarmd.config import RebalanceSection
 from swarmd.directory import StagePeer, StaticDirectory
-from swarmd.jobs.rebalancing import GossipDispatch, RebalanceSettings
+from swarmd.errors import ConfigError
+from swarmd.jobs.rebalancing import GossipDispatch, JobRebalancer, RebalanceSettings, Rebalancing
 from swarmd.jobs.serving import Served, Serving
 from swarmd.rebalance.gossip import METHOD
 from swarmd.rebalance.mover import MoveFailed
 from swarmd.rebalance.policy import PolicyConfig
 from swarmd.stage.limits import StageLimits
+from swarmd.supervisor import Faults, Supervisor
 from transport.errors import RpcError
+from transport.identity import Identity
 from transport.message import Message
 
 JOB, OTHER = b"j" * 32, b"o" * 32
@@ -29,6 +32,17 @@ def test_settings_carry_the_section_into_the_policy_and_refuse_impossible_jitter
     assert settings.gossip.period_s == 5.0 and settings.gossip.members_ttl_s == 15.0
     with pytest.raises(ValueError, match="jitter"):
         RebalanceSettings.from_section(RebalanceSection(jitter=1.5))
+
+
+@pytest.mark.parametrize(("setting", "key"), [({"jitter": 1.5}, "jitter"),
+                                               ({"gossip_interval_s": 0.0}, "gossip_interval_s"),
+                                               ({"gossip_max_entries": 10**6}, "gossip_max_entries")])
+def test_a_refused_setting_is_a_config_error_under_its_section_key(setting: dict, key: str) -> None:
+    """The policy's and the gossip's own checks reach the daemon as `ConfigError`, keyed by the
+    `[rebalance]` setting an operator writes (not the gossip's field name)."""
+    with pytest.raises(ConfigError) as refused:
+        RebalanceSettings.from_section(RebalanceSection(**setting))
+    assert (refused.value.key, refused.value.source) == (key, "[rebalance]")
 
 
 class OneMethodRouter:
@@ -91,3 +105,30 @@ async def test_a_refused_move_changes_nothing(table, move, why) -> None:
         await serving.move(JOB, *move)
     assert serving.served == before and not serving.moving and not serving.moves
     assert serving.served[(JOB, 0)].service.state == "serving"
+
+
+async def test_a_job_whose_rebalancer_cannot_start_is_shown_in_faults_and_retried(monkeypatch) -> None:
+    """A bug in one job's rebalancer start must not end rebalancing for every job; it is logged and
+    retried by the next reconcile, and also recorded in the daemon's faults (`swarmctl status`
+    "supervision"), which stop counting down once it started."""
+    failures = [KeyError("a bug in the gossip's start")]
+
+    async def start(self) -> None:
+        if failures:
+            raise failures.pop()
+
+    async def stop(self) -> None:
+        return None
+
+    monkeypatch.setattr(JobRebalancer, "start", start)
+    monkeypatch.setattr(JobRebalancer, "stop", stop)
+    serving = SimpleNamespace(served=serving_with(StaticDirectory({})).served, moving={})
+    faults = Faults()
+    rebalancing = Rebalancing(serving, Identity.generate(), OneMethodRouter(), None, None,
+                              RebalanceSettings.from_section(RebalanceSection()), None, Supervisor("rebalancing", faults))
+    await rebalancing.reconcile()
+    [fault] = faults.status()["tasks"]
+    assert fault["task"] == f"rebalancing: start job {JOB.hex()[:16]}" and "KeyError" in fault["last_error"]
+    assert not rebalancing.jobs and fault["retry_in_s"] is not None
+    await rebalancing.reconcile()
+    assert JOB in rebalancing.jobs and faults.status()["tasks"][0]["retry_in_s"] is None

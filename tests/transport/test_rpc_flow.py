@@ -116,13 +116,13 @@ async def test_server_enforces_the_deadline_from_the_header(setup):
     srv, pool, probe = setup
     conn = await pool.connect(srv.address)
     loop = asyncio.get_running_loop()
-    rid = conn._start_call(stream=False)
+    rid = conn._calls.start(stream=False)
     try:
-        await conn._send_request(rid, "block", Message(), loop.time() + 0.2)
+        await conn._calls.send_request(rid, "block", Message(), loop.time() + 0.2)
         with pytest.raises(RemoteError) as err:
-            await asyncio.wait_for(conn._answer_message(await conn._calls[rid].next()), 10)
+            await asyncio.wait_for(conn._calls.answer_message(await conn._calls.next_frame(rid)), 10)
     finally:
-        conn._end_call(rid)
+        conn._calls.end(rid)
     assert err.value.code == "deadline_exceeded"
     assert probe.cancelled.is_set()
 
@@ -186,10 +186,10 @@ async def _idle(pool: Pool, srv: RpcServer) -> None:
     conn = await pool.connect(srv.address)
     (server_conn,) = srv._connections
     for _ in range(2000):
-        if not (conn._calls or conn._sender.outbox or conn.buffered_bytes or server_conn._handlers):
+        if not (conn._calls or conn._sender.outbox or conn.buffered_bytes or server_conn._dispatch.running):
             return
         await asyncio.sleep(0.005)
-    raise AssertionError(f"the call left state behind after being cancelled: {conn._calls} {bool(conn._sender.outbox)} {conn._sender.budget.used} {conn.buffered_bytes} {server_conn._handlers}")
+    raise AssertionError(f"the call left state behind after being cancelled: {len(conn._calls)} {bool(conn._sender.outbox)} {conn._sender.budget.used} {conn.buffered_bytes} {server_conn._dispatch.running}")
 
 
 @pytest.mark.parametrize("kind", ["unary", "stream"])
