@@ -11,14 +11,18 @@ from typing import Awaitable, Callable, TypeVar
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Poll until `predicate()` returns something truthy and return it; fail naming `what`."""
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2,
+             detail: Callable[[], str] | None = None) -> T:
+    """Poll until `predicate()` returns something truthy and return it; fail naming `what`, and
+    with `detail()` (what the test saw: a state, a journal) when given."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            message = f"timed out after {timeout:g} s waiting for {what}"
+            raise AssertionError(message if detail is None else f"{message}\n{detail()}")
         time.sleep(interval)
 
 
