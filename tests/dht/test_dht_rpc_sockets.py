@@ -1,9 +1,9 @@
 """DHT nodes over real TCP on 127.0.0.1 through transport.rpc: ids from the handshake."""
 
-import asyncio
 import time
 
 import pytest
+from waiting import until
 
 from swarmd.dht import DHTConfig, DHTNode, PeerUnreachable, RemoteFailure, dht_key
 from swarmd.dht import protocol as P
@@ -66,12 +66,11 @@ async def test_announcements_and_many_writers_over_tcp():
         key = dht_key("job", "tcp", "stage", 2)
         for i, node in enumerate(nodes):
             node.announce(key, lambda i=i: b"peer %d" % i)
-        deadline = time.monotonic() + 5.0
-        while True:
+        async def all_six():
             got = await nodes[0].get(key, latest=True)
-            if len(got) == 6 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
+            return got if len(got) == 6 else None
+
+        got = await until(all_six, 5.0, "six announcements", interval=0.05)
         assert {r.subkey for r in got.values()} == {n.peer_id for n in nodes}
     finally:
         await stop_all(nodes)
