@@ -2,7 +2,9 @@
 
 import time
 
+import dhtsockets
 import pytest
+from dhtsockets import stop_all
 from waiting import until
 
 from swarmd.dht import DHTConfig, DHTNode, PeerUnreachable, RemoteFailure, dht_key
@@ -14,21 +16,8 @@ from transport.identity import Identity
 CFG = DHTConfig(rpc_timeout=1.0)
 
 
-async def start_nodes(n: int, seed: str = "tcp") -> list[DHTNode]:
-    nodes = []
-    for i in range(n):
-        identity = Identity.from_seed(f"{seed}-{i}".encode())
-        node = DHTNode(identity, await RpcNetwork.listen(identity, config=CFG), CFG)
-        await node.start()
-        nodes.append(node)
-    for node in nodes[1:]:
-        assert await node.bootstrap([nodes[0].address]) >= 1
-    return nodes
-
-
-async def stop_all(nodes):
-    for node in nodes:
-        await node.stop()
+def start_nodes(n: int, seed: str = "tcp"):
+    return dhtsockets.start_nodes(n, seed, CFG)
 
 
 async def test_store_and_get_across_real_sockets_with_one_node_killed():
