@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jobspec import job_spec
+from procfs import process_state, processes_mentioning  # noqa: F401 (ch.processes_mentioning)
 from waiting import wait_for
 
 from swarmd.client import ControlError, DaemonUnavailable
@@ -60,24 +61,6 @@ def spec(name: str, steps: int, stages: int, data: Path) -> dict[str, Any]:
     return tomllib.loads(job_spec(name, seed=3, steps=steps, corpus=data, model={"dropout": 0.0}, data={"seq_len": 32},
                                   batch={"global_samples": 8}, optim={"name": "adamw", "lr": 1e-2, "clip_norm": 1.0},
                                   pipeline={"stages": stages}, checkpoint={"every_steps": 0}))
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Live processes (not this one, not zombies) whose command line contains `text`."""
-    import os
-
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if text in cmdline and not zombie:
-            found.append(int(entry.name))
-    return found
 
 
 def rss_kib(pid: int | None) -> int | None:
@@ -173,11 +156,6 @@ class Run:
         tails = "\n".join(f"--- {p.name} ({'alive' if p.alive else 'dead'}):\n{p.log_tail(15)}"
                           for p in self.swarm.peers)
         return "chaos so far:\n" + "\n".join(self.log) + "\n" + tails
-
-
-def process_state(pid: int) -> str:
-    """The kernel's one-letter state of a process ("T": stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def hang_and_resume(run: Run, swarm: LocalSwarm, hung: PeerProcess, stage: int, settle_steps: int) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procfs import process_state
 from waiting import wait_for
 
 from swarmd.client import SyncClient
@@ -132,8 +133,7 @@ def test_sighup_reloads_the_log_level_and_a_second_signal_exits_at_once(spawn, t
     d.proc.send_signal(signal.SIGSTOP)
     # kill() returns before the stop takes effect; a signal sent to a still-running process would
     # be handled on its own, one loop turn apart from the next.
-    wait_for(lambda: Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", 30,
-             "the daemon to stop", interval=0.01)
+    wait_for(lambda: process_state(d.proc.pid) == "T", 30, "the daemon to stop", interval=0.01)
     d.proc.send_signal(signal.SIGTERM)
     d.proc.send_signal(signal.SIGINT)
     d.proc.send_signal(signal.SIGCONT)
