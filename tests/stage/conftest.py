@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from jobspec import job_spec
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import parse_toml
@@ -15,44 +16,6 @@ from transport.errors import RemoteError
 from transport.rpc import Message, Pool, Router, RpcServer
 
 torch.set_num_threads(1)
-
-SPEC = """
-name = "stage-test"
-seed = 5
-steps = 20
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["unused.txt"]
-seq_len = 16
-
-[batch]
-global_samples = {global_samples}
-microbatch_samples = {microbatch}
-
-[optim]
-name = "{optim}"
-lr = 0.05
-momentum = 0.9
-schedule = "constant"
-clip_norm = 0.0
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = {stages}
-delayed_updates = {delayed}
-
-[checkpoint]
-every_steps = {every}
-"""
 
 JOB = hashlib.sha256(b"stage-test-job").digest()
 # allreduce_codec "none": the tests built on FAST compare the peers with the single-process fp32
@@ -63,8 +26,13 @@ FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s
 
 
 def make_spec(global_samples=8, microbatch=2, optim="sgd", stages=2, delayed=False, every=0):
-    return parse_toml(SPEC.format(global_samples=global_samples, microbatch=microbatch, optim=optim,
-                                  stages=stages, delayed=str(delayed).lower(), every=every))
+    """TINY_JOB's model four heads wide, without clipping, tensors shipped uncompressed."""
+    return parse_toml(job_spec("stage-test", seed=5, steps=20, files=["unused.txt"], model={"n_heads": 4},
+                               batch={"global_samples": global_samples, "microbatch_samples": microbatch},
+                               optim={"name": optim, "momentum": 0.9, "clip_norm": 0.0},
+                               wire={"activations": "none", "gradients": "none"},
+                               pipeline={"stages": stages, "delayed_updates": delayed},
+                               checkpoint={"every_steps": every}))
 
 
 @dataclass
