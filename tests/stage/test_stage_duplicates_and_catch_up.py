@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 import torch
+from stageref import reference_stage
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.model import build_stage
-from swarmd.optim import StageOptimizer
 from swarmd.stage import StageLimits
 from swarmd.stage.core import Admission
 from transport.errors import DeadlineExceeded, RemoteError
@@ -37,12 +37,7 @@ def _mate_ids(peer):
 
 def assert_reference(spec, peer, mbs):
     """The peer's parameters equal one step of a reference that applied each of `mbs` once."""
-    ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
-    opt = StageOptimizer(ref, spec.optim, spec.steps)
-    for m in mbs:
-        x, gy = inputs(0, m)
-        ref(x).backward(gy)
-    opt.step(spec.batch.global_samples)
+    ref = reference_stage(spec, STAGE, 3, 1, lambda step, m: inputs(0, mbs[m]), microbatches=len(mbs))
     for p, q in zip(peer.service.stage.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 

@@ -9,10 +9,9 @@ import time
 
 import pytest
 import torch
+from stageref import reference_stage
 
 from swarmd.directory import StagePeer, StaticDirectory
-from swarmd.model import build_stage
-from swarmd.optim import StageOptimizer
 from transport.errors import DeadlineExceeded, RemoteError
 from transport.rpc import Message
 
@@ -38,15 +37,7 @@ async def until(predicate, timeout=15.0):
 
 def reference(spec, steps):
     """A single-process stage that applied every microbatch of each step once."""
-    ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
-    opt = StageOptimizer(ref, spec.optim, spec.steps)
-    for step in range(steps):
-        for m in range(4):
-            x, gy = inputs(step, m)
-            ref(x).backward(gy)
-        opt.step(spec.batch.global_samples)
-        opt.optimizer.zero_grad(set_to_none=True)
-    return ref
+    return reference_stage(spec, STAGE, 3, steps, inputs)
 
 
 def assert_equal_to(ref, *peers):

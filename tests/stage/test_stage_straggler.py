@@ -9,11 +9,11 @@ import time
 
 import torch
 from jobspec import job_spec
+from stageref import reference_stage
 
 from swarmd.directory import StaticDirectory
 from swarmd.job import parse_toml
 from swarmd.model import build_stage
-from swarmd.optim import StageOptimizer
 from swarmd.stage import StageLimits
 
 STAGE = 1
@@ -35,15 +35,8 @@ def inputs(step, m):
 
 
 def reference(spec, steps):
-    ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
-    opt = StageOptimizer(ref, spec.optim, spec.steps)
-    for step in range(steps):
-        for m in range(4):
-            x, gy = inputs(step, m)
-            ref(x).backward(gy)
-        opt.step(spec.batch.global_samples)
-        opt.optimizer.zero_grad(set_to_none=True)
-    return ref
+    """A single-process stage that applied every microbatch of each step once."""
+    return reference_stage(spec, STAGE, 3, steps, inputs)
 
 
 def shape_uplink(peer, rate: float) -> list[float]:
