@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
-from netns_link import REPO, wan_link  # noqa: E402
+from netns_link import REPO, wan_link
 
 
 def _delay_line():
