@@ -9,7 +9,6 @@ matches the reference's within 1e-3 relative."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -39,14 +38,8 @@ def test_two_daemons_three_stages_match_the_reference(swarm, swarm_root: Path, s
     data, spec_path = kit.write_job(swarm_root, "equiv", file=f"equiv-{optim}", seed=7, steps=STEPS, **sections)
     a, b = swarm.together([f"{optim}-a", f"{optim}-b"])
 
-    submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
-    assert submitted.returncode == EXIT_OK, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job"]
-    kit.wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job", interval=0.5)
-    for daemon in (a, b):
-        for stage in range(3):
-            result = swarmctl("--socket", str(daemon.socket), "--json", "serve", job_id, "--stage", str(stage))
-            assert result.returncode == EXIT_OK, result.stderr
+    job_id = kit.submit_and_serve(kit.on_socket(swarmctl), spec_path,
+                                  [(daemon, stage) for daemon in (a, b) for stage in range(3)])
     kit.wait_for(lambda: all(len(s["peers"]) == 2 for s in a.client.job(job_id)["stages"]), 30, "two peers per stage",
                  interval=0.5)
 
