@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procfs import processes_mentioning
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
 #: `--quick` takes about a minute on a busy 2-core machine, most of it starting daemons.
@@ -36,23 +37,6 @@ def _load():
 pb = _load()
 
 
-def live_processes_mentioning(text: str) -> list[int]:
-    """Pids (not ours, not zombies) whose command line contains `text`: the bench's daemons all have
-    their state dir, under the run's TMPDIR, on theirs."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.slow
 def test_quick_run_reports_sane_figures():
     """1. Run the bench at its smallest size (--quick): 2 stages x 2 peers, a 6 s no-fault window, a 10 s
@@ -66,7 +50,7 @@ def test_quick_run_reports_sane_figures():
     # worker's basetemp can push them past AF_UNIX's 107 bytes, so the run gets a short folder of its own.
     with tempfile.TemporaryDirectory(prefix="swp-", dir="/tmp") as short:
         report, elapsed = _quick_run(Path(short))
-        assert live_processes_mentioning(short) == []
+        assert processes_mentioning(short) == []  # the bench's daemons have their state dir on theirs
     _check_quick_report(report, elapsed)
 
 
