@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from procfs import processes_mentioning
+from waiting import wait_for
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
 #: `--quick` takes about a minute on a busy 2-core machine, most of it starting daemons.
@@ -163,9 +164,8 @@ def test_socket_bytes_counts_what_the_kernel_carried():
                 got = 0
                 while got < 777:
                     got += len(client.recv(1 << 20))
-                deadline = time.monotonic() + 10
-                while pb.socket_bytes(client) - before < 100_777 and time.monotonic() < deadline:
-                    time.sleep(0.01)  # the last ACK may trail the reply
+                wait_for(lambda: pb.socket_bytes(client) - before >= 100_777, 10,  # the last ACK may trail the reply
+                         "the socket's byte count to take in the last ACK", interval=0.01)
                 assert pb.socket_bytes(client) - before == 100_777
 
 
