@@ -66,7 +66,7 @@ def test_only_peers_that_agree_join(spawn, tmp_path: Path, case: str) -> None:
                and {p["peer_id"] for p in b.client.peers() if p["alive"]} == ab, 60, "A and B to see each other")
 
     outsider_id = c.status["peer_id"]
-    deadline = time.monotonic() + OUTSIDER_WATCH_S
+    deadline = time.monotonic() + OUTSIDER_WATCH_S  # a window in which nothing may happen: nobody admits C
     while time.monotonic() < deadline:
         assert listed(c) == {outsider_id}
         assert outsider_id not in listed(a) | listed(b)
