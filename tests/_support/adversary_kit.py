@@ -10,16 +10,16 @@ import asyncio
 import hashlib
 import os
 import sysconfig
-from dataclasses import dataclass
 
 import torch
 import jobspec
+from stagepeer import Peer, start_stage_peer
 
-from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.directory import StaticDirectory
 from swarmd.job import load_spec, open_training_data, parse_toml
-from swarmd.stage import StageLimits, StageService
+from swarmd.stage import StageLimits
 from transport.identity import Identity
-from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
+from transport.rpc import Message, Pool, RpcConfig
 
 JOB = hashlib.sha256(b"adversary-test-job").digest()
 B, T, C = 2, 16, 32
@@ -56,42 +56,11 @@ def spec():
     return parse_toml(SPEC)
 
 
-@dataclass
-class Peer:
-    service: StageService
-    rpc: RpcServer
-    pool: Pool
-    identity: Identity
-
-    @property
-    def peer_id(self) -> bytes:
-        return self.identity.peer_id
-
-    @property
-    def addr(self) -> str:
-        host, port = self.rpc.address
-        return f"{host}:{port}"
-
-    async def close(self) -> None:
-        await self.service.stop()
-        await self.rpc.close()
-        await self.pool.close()
-
-
 async def start_peer(job_spec, stage: int, directory: StaticDirectory, limits: StageLimits = FAST,
                      identity: Identity | None = None) -> Peer:
+    """An honest stage peer proving `identity` (a fresh one by default) in its hello."""
     identity = Identity.generate() if identity is None else identity
-    config = RpcConfig(identity=identity)
-    router = Router()
-    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=config)
-    pool = Pool(config)
-    addr = f"{rpc.address[0]}:{rpc.address[1]}"
-    service = StageService(job_spec, JOB, stage, identity.peer_id, router, pool, directory, address=addr,
-                           limits=limits)
-    await service.start()
-    announced = await directory.peers(JOB, stage)
-    directory.set(JOB, stage, [*announced, StagePeer(identity.peer_id, addr, stage)])
-    return Peer(service, rpc, pool, identity)
+    return await start_stage_peer(job_spec, JOB, stage, directory, limits, identity=identity)
 
 
 def stranger_pool(identity: Identity | None = None) -> tuple[Pool, Identity]:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import pytest
 import torch
 from jobspec import job_spec
+from stagepeer import Peer, start_stage_peer
 
-from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.directory import StaticDirectory
 from swarmd.job import parse_toml
-from swarmd.stage import StageLimits, StageService
+from swarmd.stage import StageLimits
 from transport.errors import RemoteError
-from transport.rpc import Message, Pool, Router, RpcServer
+from transport.rpc import Message, Pool, Router
 
 torch.set_num_threads(1)
 
@@ -35,39 +35,11 @@ def make_spec(global_samples=8, microbatch=2, optim="sgd", stages=2, delayed=Fal
                                checkpoint={"every_steps": every}))
 
 
-@dataclass
-class Peer:
-    service: StageService
-    rpc: RpcServer
-    pool: Pool
-
-    @property
-    def addr(self) -> str:
-        host, port = self.rpc.address
-        return f"{host}:{port}"
-
-    async def close(self) -> None:
-        await self.service.stop()
-        await self.rpc.close()
-        await self.pool.close()
-
-
 async def start_peer(spec, stage, index, directory: StaticDirectory, limits=FAST, state_dir=None,
                      router: Router | None = None, announce=True, anchor=None, device="cpu") -> Peer:
-    """A stage peer listening on 127.0.0.1:0, announced in `directory` once it serves; `anchor`
-    stands for the job's submitter's signed progress (`swarmd.stage.resume`)."""
-    router = router or Router()
-    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
-    pool = Pool()
-    peer_id = bytes([index]) * 32
-    addr = f"{rpc.address[0]}:{rpc.address[1]}"
-    service = StageService(spec, JOB, stage, peer_id, router, pool, directory, address=addr,
-                           limits=limits, state_dir=state_dir, anchor=anchor, device=device)
-    await service.start()
-    if announce:
-        announced = await directory.peers(JOB, stage)
-        directory.set(JOB, stage, [*announced, StagePeer(peer_id, addr, stage)])
-    return Peer(service, rpc, pool)
+    """A stage peer whose peer id is `index` repeated (tests/_support/stagepeer.py)."""
+    return await start_stage_peer(spec, JOB, stage, directory, limits, peer_id=bytes([index]) * 32,
+                                  state_dir=state_dir, router=router, announce=announce, anchor=anchor, device=device)
 
 
 @pytest.fixture
