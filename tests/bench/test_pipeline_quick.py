@@ -7,7 +7,6 @@ in-process by codec and from the daemons' own transport counters for the swarm's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmod import load_bench
 from procfs import processes_mentioning
 from waiting import wait_for
 
@@ -27,15 +27,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
 QUICK_TIMEOUT_S = 170
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_pipeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-pb = _load()
+pb = load_bench("pipeline.py")
 
 
 @pytest.mark.slow
