@@ -10,54 +10,25 @@ import asyncio
 import hashlib
 import os
 import sysconfig
-from dataclasses import dataclass
 
 import torch
+import jobspec
+from stagepeer import Peer, start_stage_peer
 
-from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.directory import StaticDirectory
 from swarmd.job import load_spec, open_training_data, parse_toml
-from swarmd.stage import StageLimits, StageService
+from swarmd.stage import StageLimits
 from transport.identity import Identity
-from transport.rpc import Message, Pool, Router, RpcConfig, RpcServer
+from transport.rpc import Message, Pool, RpcConfig
 
 JOB = hashlib.sha256(b"adversary-test-job").digest()
 B, T, C = 2, 16, 32
 STAGE = 1  # the middle stage of three: backward takes and returns activations
 
-SPEC = """
-name = "adversary"
-seed = 5
-steps = 20
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["unused.txt"]
-seq_len = 16
-
-[batch]
-global_samples = 8
-microbatch_samples = 2
-
-[optim]
-name = "sgd"
-lr = 0.05
-momentum = 0.9
-schedule = "constant"
-clip_norm = 0.0
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = 3
-delayed_updates = false
-"""
+#: Three stages of TINY_JOB's model, four heads wide, SGD without clipping, tensors shipped uncompressed.
+SPEC = jobspec.job_spec("adversary", seed=5, steps=20, files=["unused.txt"], model={"n_heads": 4},
+                        batch={"global_samples": 8}, optim={"momentum": 0.9, "clip_norm": 0.0},
+                        wire={"activations": "none", "gradients": "none"}, pipeline={"delayed_updates": False})
 
 # allreduce_codec "none": the honest peers' parameters and losses are compared with the fp32
 # reference, which the fp16 default would blur by ~5e-4.
@@ -65,44 +36,17 @@ FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s
                    resume_after_s=1.0, allreduce_codec="none")
 
 
-TRAIN_SPEC = """
-name = "adversary-train"
-seed = 7
-steps = 8
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["{stdlib}/json/*.py"]
-seq_len = 16
-
-[batch]
-global_samples = 8
-microbatch_samples = 4
-
-[optim]
-name = "sgd"
-lr = 0.2
-schedule = "constant"
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = 2
-microbatches_in_flight = 2
-"""
+#: Two stages a trainer can run on the stdlib's json package (filled in by `training_job`).
+TRAIN_SPEC = jobspec.job_spec("adversary-train", seed=7, steps=8, files=["{stdlib}/json/*.py"],
+                              model={"n_heads": 4}, batch={"global_samples": 8, "microbatch_samples": 4},
+                              optim={"lr": 0.2}, wire={"activations": "none", "gradients": "none"},
+                              pipeline={"stages": 2, "microbatches_in_flight": 2})
 
 
 def training_job(where):
     """The two-stage job a trainer can run (its data: the stdlib's json package), and its data."""
     job_path = where / "job.toml"
-    job_path.write_text(TRAIN_SPEC.format(stdlib=sysconfig.get_paths()["stdlib"]))
+    job_path.write_text(TRAIN_SPEC.replace("{stdlib}", sysconfig.get_paths()["stdlib"]))
     job_spec = load_spec(job_path)
     return job_spec, open_training_data(job_spec.data, job_spec.batch, job_spec.model.config.vocab, job_spec.seed,
                                         where)
@@ -112,42 +56,11 @@ def spec():
     return parse_toml(SPEC)
 
 
-@dataclass
-class Peer:
-    service: StageService
-    rpc: RpcServer
-    pool: Pool
-    identity: Identity
-
-    @property
-    def peer_id(self) -> bytes:
-        return self.identity.peer_id
-
-    @property
-    def addr(self) -> str:
-        host, port = self.rpc.address
-        return f"{host}:{port}"
-
-    async def close(self) -> None:
-        await self.service.stop()
-        await self.rpc.close()
-        await self.pool.close()
-
-
 async def start_peer(job_spec, stage: int, directory: StaticDirectory, limits: StageLimits = FAST,
                      identity: Identity | None = None) -> Peer:
+    """An honest stage peer proving `identity` (a fresh one by default) in its hello."""
     identity = Identity.generate() if identity is None else identity
-    config = RpcConfig(identity=identity)
-    router = Router()
-    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=config)
-    pool = Pool(config)
-    addr = f"{rpc.address[0]}:{rpc.address[1]}"
-    service = StageService(job_spec, JOB, stage, identity.peer_id, router, pool, directory, address=addr,
-                           limits=limits)
-    await service.start()
-    announced = await directory.peers(JOB, stage)
-    directory.set(JOB, stage, [*announced, StagePeer(identity.peer_id, addr, stage)])
-    return Peer(service, rpc, pool, identity)
+    return await start_stage_peer(job_spec, JOB, stage, directory, limits, identity=identity)
 
 
 def stranger_pool(identity: Identity | None = None) -> tuple[Pool, Identity]:

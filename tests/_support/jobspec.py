@@ -1,6 +1,7 @@
 """The job most daemon tests train, written as TOML: three one-layer stages of a 32-wide transformer,
 plain SGD, small enough that a step takes well under a second on a busy box. `job_spec` merges a test's
-own settings over it; `write_job` puts a real corpus (the stdlib's json module source) beside it."""
+own settings over it (every test's job spec is written by it; only a test whose point is a malformed
+spec writes its text by hand); `write_job` puts a real corpus (the stdlib's json module source) beside it."""
 
 from __future__ import annotations
 
@@ -16,17 +17,25 @@ TINY_JOB: dict[str, dict] = {
 }
 
 
-def job_spec(name: str, *, seed: int, steps: int, corpus: Path, **sections: dict) -> str:
-    """TOML of TINY_JOB training on `corpus`, each of `sections` merged key by key over its section
-    (or added, when TINY_JOB has no such section)."""
+def job_spec(name: str, *, seed: int, steps: int, corpus: Path | None = None, files: list[str] | None = None,
+             **sections: dict | None) -> str:
+    """TOML of TINY_JOB training on `corpus` (or on the `files` patterns, written as given: a relative
+    pattern is read beside the spec, `{stdlib}` is the daemon's standard library), each of `sections`
+    merged key by key over its section (or added, when TINY_JOB has no such section). A section given
+    as None is left out, and so is a key given as None: the spec then takes swarmd's default."""
+    if (corpus is None) == (files is None):
+        raise TypeError("job_spec takes one of corpus= and files=")
     merged = {section: dict(values) for section, values in TINY_JOB.items()}
     for section, values in sections.items():
-        merged.setdefault(section, {}).update(values)
-    merged["data"]["files"] = [str(corpus)]
+        if values is None:
+            merged.pop(section, None)
+        else:
+            merged.setdefault(section, {}).update(values)
+    merged.setdefault("data", {})["files"] = [str(corpus)] if files is None else list(files)
     lines = [f"name = {toml_value(name)}", f"seed = {seed}", f"steps = {steps}"]
     for section, values in merged.items():
         lines.append(f"[{section}]")
-        lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
+        lines += [f"{key} = {toml_value(value)}" for key, value in values.items() if value is not None]
     return "\n".join(lines) + "\n"
 
 

@@ -1,22 +1,25 @@
 """Real `swarmd` processes for the job, rebalance and security tests, each with its own state dir, in
 a directory that the unprivileged user of the permission test (`nobody`) may enter; always killed at
 the end. The fixtures (`swarm_root`, `swarm`, `swarmctl`, `kit`) are imported by those folders'
-conftests; `kit` carries the small job they train, waiting, and the check that every committed step
-holds the whole global batch."""
+conftests; `kit` carries the small job they train, waiting, submitting a job and placing its stages,
+and the check that every committed step holds the whole global batch."""
 
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from daemons import DaemonProcess, Spawner, run_swarmctl
 from jobspec import TINY_JOB, job_spec, write_job
 from waiting import wait_for
+
+from swarmd.exitcodes import EXIT_OK
 
 #: Fast discovery, so a second daemon finds the first one's records within a second or two. The
 #: tests pin stages by hand (`swarmctl serve`) unless they ask for automatic joining themselves.
@@ -83,8 +86,34 @@ def whole_steps(events: list[dict], global_samples: int, microbatch_samples: int
     return known
 
 
+Ctl = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def on_socket(swarmctl: Ctl) -> Ctl:
+    """`swarmctl` (the fixture) as `ctl(daemon, *args)`: run against that daemon's control socket."""
+    return lambda daemon, *args: swarmctl("--socket", str(daemon.socket), *args)
+
+
+def submit_and_serve(ctl: Ctl, spec_path: Path, placement: list[tuple[JobDaemon, int]]) -> str:
+    """Submit the job with no trainers on the first daemon of `placement`, wait until every other
+    daemon there has learned it from the DHT, then have each (daemon, stage) pair serve that stage,
+    in order; return the job id. `ctl(daemon, *args)` runs swarmctl against that daemon."""
+    submitter = placement[0][0]
+    submitted = ctl(submitter, "--json", "submit", "--trainers", "0", str(spec_path))
+    assert submitted.returncode == EXIT_OK, submitted.stderr
+    job_id = json.loads(submitted.stdout)["job"]
+    for daemon in {d.name: d for d, _ in placement if d is not submitter}.values():
+        wait_for(lambda: any(j["job"] == job_id for j in daemon.client.jobs()), 30, f"{daemon.name} to learn the job",
+                 interval=0.5)
+    for daemon, stage in placement:
+        done = ctl(daemon, "serve", job_id, "--stage", str(stage))
+        assert done.returncode == EXIT_OK, done.stderr
+    return job_id
+
+
 @pytest.fixture(scope="session")
 def kit() -> SimpleNamespace:
     """The helpers above (pytest's importlib mode cannot import conftest from a test module)."""
     return SimpleNamespace(FAST=FAST, TINY_JOB=TINY_JOB, job_spec=job_spec, write_job=write_job, wait_for=wait_for,
-                           finished=finished, step_events=step_events, whole_steps=whole_steps)
+                           finished=finished, step_events=step_events, whole_steps=whole_steps,
+                           on_socket=on_socket, submit_and_serve=submit_and_serve)

@@ -11,19 +11,23 @@ from typing import Awaitable, Callable, TypeVar
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Poll until `predicate()` returns something truthy and return it; fail naming `what`."""
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2,
+             detail: Callable[[], str] | None = None) -> T:
+    """Poll until `predicate()` returns something truthy and return it; fail naming `what`, and
+    with `detail()` (what the test saw: a state, a journal) when given."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            message = f"timed out after {timeout:g} s waiting for {what}"
+            raise AssertionError(message if detail is None else f"{message}\n{detail()}")
         time.sleep(interval)
 
 
 async def until(predicate: Callable[[], T | Awaitable[T]], timeout: float, what: str,
-                interval: float = 0.02) -> T:
+                interval: float = 0.02, detail: Callable[[], str] | None = None) -> T:
     """`wait_for` inside an event loop: the predicate may be a plain or an async function."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -32,5 +36,7 @@ async def until(predicate: Callable[[], T | Awaitable[T]], timeout: float, what:
             value = await value
         if value:
             return value
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        if asyncio.get_running_loop().time() >= deadline:
+            message = f"timed out after {timeout:g} s waiting for {what}"
+            raise AssertionError(message if detail is None else f"{message}\n{detail()}")
         await asyncio.sleep(interval)

@@ -5,13 +5,13 @@ SIGKILLs and restarts a stage peer in each kill window and duty-cycles one peer 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from benchmod import load_bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "chaos_goodput.py"
 #: Five daemons to start on a busy 2-core machine, then 5 windows of 6 s and two of 3 s (a kill
@@ -19,15 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "chaos_goodput.py"
 QUICK_TIMEOUT_S = 400
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_chaos_goodput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cg = _load()
+cg = load_bench("chaos_goodput.py")
 
 
 def step(ts: float, stage_samples=(16, 16), duplicates=(0, 0), answers_lost=0) -> dict:

@@ -7,7 +7,6 @@ in-process by codec and from the daemons' own transport counters for the swarm's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -19,38 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmod import load_bench
+from procfs import processes_mentioning
+from waiting import wait_for
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
 #: `--quick` takes about a minute on a busy 2-core machine, most of it starting daemons.
 QUICK_TIMEOUT_S = 170
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_pipeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-pb = _load()
-
-
-def live_processes_mentioning(text: str) -> list[int]:
-    """Pids (not ours, not zombies) whose command line contains `text`: the bench's daemons all have
-    their state dir, under the run's TMPDIR, on theirs."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
+pb = load_bench("pipeline.py")
 
 
 @pytest.mark.slow
@@ -66,7 +43,7 @@ def test_quick_run_reports_sane_figures():
     # worker's basetemp can push them past AF_UNIX's 107 bytes, so the run gets a short folder of its own.
     with tempfile.TemporaryDirectory(prefix="swp-", dir="/tmp") as short:
         report, elapsed = _quick_run(Path(short))
-        assert live_processes_mentioning(short) == []
+        assert processes_mentioning(short) == []  # the bench's daemons have their state dir on theirs
     _check_quick_report(report, elapsed)
 
 
@@ -179,9 +156,8 @@ def test_socket_bytes_counts_what_the_kernel_carried():
                 got = 0
                 while got < 777:
                     got += len(client.recv(1 << 20))
-                deadline = time.monotonic() + 10
-                while pb.socket_bytes(client) - before < 100_777 and time.monotonic() < deadline:
-                    time.sleep(0.01)  # the last ACK may trail the reply
+                wait_for(lambda: pb.socket_bytes(client) - before >= 100_777, 10,  # the last ACK may trail the reply
+                         "the socket's byte count to take in the last ACK", interval=0.01)
                 assert pb.socket_bytes(client) - before == 100_777
 
 

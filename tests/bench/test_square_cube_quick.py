@@ -6,27 +6,14 @@ block, and the real-run path (stage RPC server, microbatches in flight) over loo
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from benchmod import load_bench
 
 from transport.rpc import Message, Pool, RpcConfig, RpcServer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "square_cube.py"
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_square_cube", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-sc = _load()
+sc = load_bench("square_cube.py")
 torch.set_num_threads(1)
 
 

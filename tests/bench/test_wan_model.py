@@ -3,27 +3,12 @@ swarm (virtual time, so the figures are the protocol's). The real sweeps are run
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str, filename: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / filename)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+from benchmod import load_bench
 
 
-wp = _load("swarmd_bench_wan_pipeline", "wan_pipeline.py")
-dht = _load("swarmd_bench_dht", "dht.py")
+wp = load_bench("wan_pipeline.py")
+dht = load_bench("dht.py")
 
 
 def test_one_in_flight_pays_every_round_trip_of_every_microbatch():

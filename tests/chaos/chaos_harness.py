@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from jobspec import job_spec
+from procfs import process_state, processes_mentioning  # noqa: F401 (ch.processes_mentioning)
+from waiting import wait_for
+
 from swarmd.client import ControlError, DaemonUnavailable
 from swarmd.exitcodes import EXIT_OK
 from swarmd.swarmproc import FAST_ENV, LocalSwarm, PeerProcess
@@ -38,34 +42,6 @@ RSS_SLACK_KIB = 96 * 1024
 #: Job steps after a process's first sample before its memory counts (see check_memory).
 WARM_STEPS = 20
 
-SPEC_TEMPLATE = """name = "{name}"
-seed = 3
-steps = {steps}
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 2
-layers_per_stage = 1
-vocab = 256
-dropout = 0.0
-[data]
-files = ["{data}"]
-seq_len = 32
-[batch]
-global_samples = 8
-microbatch_samples = 2
-[optim]
-name = "adamw"
-lr = 1e-2
-schedule = "constant"
-clip_norm = 1.0
-[pipeline]
-stages = {stages}
-[checkpoint]
-every_steps = 0
-"""
-
-
 def write_corpus(root: Path) -> Path:
     """A few hundred KiB of real text: the standard library's json and textwrap sources."""
     import json as json_module
@@ -79,27 +55,12 @@ def write_corpus(root: Path) -> Path:
 
 
 def spec(name: str, steps: int, stages: int, data: Path) -> dict[str, Any]:
+    """TINY_JOB on `data` without dropout, with samples of 32 tokens, AdamW and no checkpoints."""
     import tomllib
 
-    return tomllib.loads(SPEC_TEMPLATE.format(name=name, steps=steps, stages=stages, data=data))
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Live processes (not this one, not zombies) whose command line contains `text`."""
-    import os
-
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if text in cmdline and not zombie:
-            found.append(int(entry.name))
-    return found
+    return tomllib.loads(job_spec(name, seed=3, steps=steps, corpus=data, model={"dropout": 0.0}, data={"seq_len": 32},
+                                  batch={"global_samples": 8}, optim={"name": "adamw", "lr": 1e-2, "clip_norm": 1.0},
+                                  pipeline={"stages": stages}, checkpoint={"every_steps": 0}))
 
 
 def rss_kib(pid: int | None) -> int | None:
@@ -144,34 +105,38 @@ class Run:
 
     def wait(self, what: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = STEP_TIMEOUT_S) -> dict:
         """Poll `job.get` (sampling memory each time) until `predicate(view)`; fail with the swarm's story."""
-        deadline = time.monotonic() + timeout
-        while True:
+        seen: dict[str, Any] = {}
+
+        def reached() -> dict[str, Any] | None:
             view = self.view()
+            seen.update(view)
             self.last_step = view["step"]
             self.sample_memory()
             if predicate(view):
                 return view
             if view["state"] in ("failed", "cancelled"):
                 raise AssertionError(f"job {view['state']} while waiting for {what}\n{self.story()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout:g} s (at step {view['step']}, "
-                                     f"{view['status']})\n{self.story()}")
-            time.sleep(0.3)
+            return None
+
+        return wait_for(reached, timeout, what, interval=0.3,
+                        detail=lambda: f"at step {seen.get('step')}, {seen.get('status')}\n{self.story()}")
 
     def wait_step(self, step: int, timeout: float = STEP_TIMEOUT_S) -> dict:
         return self.wait(f"step {step}", lambda v: v["step"] >= step or v["state"] == "done", timeout)
 
     def serve(self, peer: PeerProcess, stage: int) -> None:
         """`swarmctl serve JOB --stage I` on that peer; retried while it has not yet seen the job."""
-        deadline = time.monotonic() + SERVE_TIMEOUT_S
-        while True:
+
+        def served() -> dict[str, Any] | None:
             try:
-                assert peer.client().serve(self.job, stage)["stage"] == stage
-                return
+                return peer.client().serve(self.job, stage)
             except ControlError as exc:
-                if exc.code != "not_found" or time.monotonic() > deadline:
+                if exc.code != "not_found":
                     raise
-            time.sleep(0.3)
+                return None
+
+        reply = wait_for(served, SERVE_TIMEOUT_S, f"{peer.name} to know the job and serve it", interval=0.3)
+        assert reply["stage"] == stage
 
     def announced(self, view: dict[str, Any], peer: PeerProcess, stage: int) -> dict[str, Any] | None:
         """The peer's own announcement on that stage in a `job.get` view, if any."""
@@ -191,11 +156,6 @@ class Run:
         tails = "\n".join(f"--- {p.name} ({'alive' if p.alive else 'dead'}):\n{p.log_tail(15)}"
                           for p in self.swarm.peers)
         return "chaos so far:\n" + "\n".join(self.log) + "\n" + tails
-
-
-def process_state(pid: int) -> str:
-    """The kernel's one-letter state of a process ("T": stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def hang_and_resume(run: Run, swarm: LocalSwarm, hung: PeerProcess, stage: int, settle_steps: int) -> None:

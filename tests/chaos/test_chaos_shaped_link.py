@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
 import chaos_harness as ch  # noqa: E402
 from netns_link import MARKS, netns  # noqa: E402
 

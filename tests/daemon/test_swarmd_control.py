@@ -7,11 +7,11 @@ import socket
 from pathlib import Path
 
 import pytest
+from controlsock import serve_control
 
 from swarmd import control
 from swarmd.client import Client, ControlError, DaemonUnavailable
 from transport.message import RemoteInfo
-from transport.rpc import RpcConfig, RpcServer, Router
 
 
 def remote(uid: int, gid: int) -> RemoteInfo:
@@ -86,16 +86,8 @@ class View:
 
 @pytest.fixture
 async def served(tmp_path: Path):
-    bound = control.bind(tmp_path / "c.sock")
-    router = Router()
-    control.register(router, View())
-    server = await RpcServer.serve_unix(router, sock=bound.sock, config=RpcConfig(),
-                                        admit=control.Admission.for_socket(bound.path).check)
-    try:
-        yield bound.path
-    finally:
-        await server.close()
-        bound.close()
+    async with serve_control(tmp_path / "c.sock", View()) as path:
+        yield path
 
 
 @pytest.mark.parametrize("key", [[], [1, "x"], ["ns", 1.5], ["ns", "x" * 300], ["ns"] * 9, "ns"])

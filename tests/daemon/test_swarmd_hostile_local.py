@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from swarmd.dht.protocol import PING
 from transport.errors import HandshakeError
@@ -133,11 +134,15 @@ def test_a_thousand_malformed_connections_write_bounded_warnings_and_a_count(dae
     windows = int(elapsed // WINDOW_S) + 1
     print(f"\n1000 junk connections in {elapsed:.1f} s wrote {len(written)} warning lines")
     assert 1 <= len(written) <= PER_SOURCE * windows, written[:20]
-    deadline = time.monotonic() + WINDOW_S + 30
-    while not (counted := [l for l in closing_lines() if re.search(r"\[(\d+) more such lines about 127\.0\.0\.1", l)]):
-        assert time.monotonic() < deadline, closing_lines()[-5:]
-        junk()  # one more now and then, until one lands after the window and carries the count
-        time.sleep(0.5)
+
+    def counted_lines() -> list[str]:
+        found = [l for l in closing_lines() if re.search(r"\[(\d+) more such lines about 127\.0\.0\.1", l)]
+        if not found:
+            junk()  # one more now and then, until one lands after the window and carries the count
+        return found
+
+    counted = wait_for(counted_lines, WINDOW_S + 30, "a warning that counts the lines left out", interval=0.5,
+                       detail=lambda: str(closing_lines()[-5:]))
     dropped = sum(int(re.search(r"\[(\d+) more such", line)[1]) for line in counted)
     assert dropped >= 1000 - PER_SOURCE * windows
     assert daemon.client.status()["pid"] == daemon.proc.pid

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from procfs import process_state
+from waiting import wait_for
 
 from swarmd.client import SyncClient
 from swarmd.exitcodes import EXIT_BOOTSTRAP, EXIT_FORCED, EXIT_OK
@@ -45,10 +47,8 @@ def test_notify_ready_watchdog_stopping_and_clean_exit(spawn, tmp_path: Path, fr
             pass
         assert ready["READY"] == "1" and ready["MAINPID"] == str(d.proc.pid)
         assert "no bootstrap peer answers" in ready["STATUS"]
-        deadline = time.monotonic() + 30
-        while f"none of {nowhere} answered; running alone, retrying" not in d.logs():
-            assert time.monotonic() < deadline, d.logs()
-            time.sleep(0.05)
+        wait_for(lambda: f"none of {nowhere} answered; running alone, retrying" in d.logs(), 30,
+                 "the daemon to say it runs alone", interval=0.05, detail=d.logs)
 
         receiver.settimeout(0.2)
         pings, started = 0, time.monotonic()
@@ -98,10 +98,11 @@ def test_socket_activation_serves_on_the_passed_socket(tmp_path: Path) -> None:
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     try:
-        deadline = time.monotonic() + 30
-        while not path.exists():
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-            time.sleep(0.05)
+        def listening() -> bool:
+            assert proc.poll() is None, log.read_text()
+            return path.exists()
+
+        wait_for(listening, 30, "systemd-socket-activate to bind the socket", interval=0.05, detail=log.read_text)
         status = SyncClient(path, timeout=120).status()  # this connection starts the daemon
         assert status["control_socket"] == str(path)
         assert not (tmp_path / "unused.sock").exists()
@@ -124,19 +125,15 @@ def test_sighup_reloads_the_log_level_and_a_second_signal_exits_at_once(spawn, t
     assert " INFO " not in d.logs()
     config.write_text('[log]\nlevel = "info"\n[network]\nbootstrap = ["127.0.0.1:1"]\n')
     d.proc.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 30
-    while "take effect at the next restart" not in d.logs():
-        assert time.monotonic() < deadline, d.logs()
-        time.sleep(0.1)
+    wait_for(lambda: "take effect at the next restart" in d.logs(), 30, "the SIGHUP to be handled", interval=0.1,
+             detail=d.logs)
     assert "SIGHUP: log level is now info" in d.logs() and "[network]" in d.logs()
     assert d.client.status()["pid"] == d.proc.pid
 
     d.proc.send_signal(signal.SIGSTOP)
     # kill() returns before the stop takes effect; a signal sent to a still-running process would
     # be handled on its own, one loop turn apart from the next.
-    while Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline + 30, "the daemon never stopped"
-        time.sleep(0.01)
+    wait_for(lambda: process_state(d.proc.pid) == "T", 30, "the daemon to stop", interval=0.01)
     d.proc.send_signal(signal.SIGTERM)
     d.proc.send_signal(signal.SIGINT)
     d.proc.send_signal(signal.SIGCONT)

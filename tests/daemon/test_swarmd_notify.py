@@ -7,10 +7,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from swarmd import notify
 
@@ -108,10 +108,7 @@ def test_listen_fds_takes_the_socket_systemd_socket_activate_passes(tmp_path: Pa
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 10
-        while not path.exists():
-            assert time.monotonic() < deadline, "socket never bound"
-            time.sleep(0.02)
+        wait_for(path.exists, 10, "the socket to be bound", interval=0.02)
         with socket.socket(socket.AF_UNIX) as client:
             client.settimeout(10)
             client.connect(str(path))

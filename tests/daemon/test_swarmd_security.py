@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobspec import job_spec
 from waiting import wait_for
 
 from swarmd.dht.protocol import PING
@@ -65,7 +66,7 @@ def test_only_peers_that_agree_join(spawn, tmp_path: Path, case: str) -> None:
                and {p["peer_id"] for p in b.client.peers() if p["alive"]} == ab, 60, "A and B to see each other")
 
     outsider_id = c.status["peer_id"]
-    deadline = time.monotonic() + OUTSIDER_WATCH_S
+    deadline = time.monotonic() + OUTSIDER_WATCH_S  # a window in which nothing may happen: nobody admits C
     while time.monotonic() < deadline:
         assert listed(c) == {outsider_id}
         assert outsider_id not in listed(a) | listed(b)
@@ -88,9 +89,8 @@ def test_jobs_from_unlisted_submitters_are_refused(spawn, tmp_path: Path, swarmc
     data = tmp_path / "data.txt"
     data.write_text("def f(x):\n    return x + 1\n" * 200)
     spec = tmp_path / "tiny.toml"
-    spec.write_text('name = "tiny"\nseed = 3\nsteps = 5\n[model]\narch = "transformer-lm"\nd_model = 16\n'
-                    'n_heads = 2\nlayers_per_stage = 1\nvocab = 256\n[data]\nfiles = ["data.txt"]\nseq_len = 8\n'
-                    '[batch]\nglobal_samples = 2\nmicrobatch_samples = 1\n[pipeline]\nstages = 2\n')
+    spec.write_text(job_spec("tiny", seed=3, steps=5, files=["data.txt"], model={"d_model": 16}, data={"seq_len": 8},
+                             batch={"global_samples": 2, "microbatch_samples": 1}, optim=None, pipeline={"stages": 2}))
     submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec))
     assert submitted.returncode == EXIT_OK, submitted.stderr
     job_id = json.loads(submitted.stdout)["job"]

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from benchmod import load_bench
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "convergence.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_convergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-conv = _load()
+conv = load_bench("convergence.py")
 
 
 def step(s: int, **fields) -> dict:

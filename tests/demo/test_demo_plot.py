@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobspec import job_spec
 
 from swarmd import ctl
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_OK
@@ -26,27 +27,11 @@ from swarmd.reference import ReferenceTrainer
 
 torch.set_num_threads(1)
 
-TINY = """
-name = "plot-tiny"
-seed = 3
-steps = 6
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-
-[data]
-files = ["{stdlib}/json/*.py"]
-seq_len = 16
-
-[batch]
-global_samples = 8
-microbatch_samples = 4
-
-[pipeline]
-stages = 2
-"""
+#: Two stages of TINY_JOB's model, four heads wide, on the stdlib's json package, with swarmd's default
+#: optimizer (no [optim]).
+SPEC = dict(files=["{stdlib}/json/*.py"], model={"n_heads": 4}, batch={"global_samples": 8, "microbatch_samples": 4},
+            optim=None, pipeline={"stages": 2})
+TINY = job_spec("plot-tiny", seed=3, steps=6, **SPEC)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -135,7 +120,7 @@ def test_plot_command_refuses_bad_input_with_a_sentence(tmp_path: Path, tiny_spe
     assert plot_command(plot_args("J1", "-o", str(out), "--events", str(events), "--no-baseline")) == EXIT_CONFIG
     assert "cannot read events" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
-    bad.write_text(TINY.replace("steps = 6", "steps = -1"))
+    bad.write_text(job_spec("plot-tiny", seed=3, steps=-1, **SPEC))
     assert plot_command(plot_args("J1", "-o", str(out), "--spec", str(bad), "--events", str(events))) == EXIT_CONFIG
     assert "steps" in capsys.readouterr().err
     assert not out.exists()

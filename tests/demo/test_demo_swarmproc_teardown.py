@@ -9,10 +9,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +44,9 @@ def start_parent(root: Path, when: str, preexec=as_in_the_foreground) -> tuple[s
     return parent, json.loads(line)
 
 
-def wait_gone(pids: list[int], procs, timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = [pid for pid in pids if procs.running(pid)]
-        if not left:
-            return []
-        time.sleep(0.1)
-    return [pid for pid in pids if procs.running(pid)]
+def wait_gone(pids: list[int], procs, timeout: float = 15.0) -> None:
+    wait_for(lambda: not any(procs.running(pid) for pid in pids), timeout, f"daemons {pids} to be gone",
+             interval=0.1, detail=lambda: f"still running: {[pid for pid in pids if procs.running(pid)]}")
 
 
 @pytest.mark.parametrize("sig, when", [(signal.SIGINT, "ready"), (signal.SIGTERM, "starting")])
@@ -68,7 +63,7 @@ def test_signal_to_the_parent_stops_every_daemon(tmp_path: Path, procs, sig: int
         assert "KeyboardInterrupt" in parent.stderr.read()
     else:
         assert parent.returncode == -sig
-    assert wait_gone(pids, procs) == []
+    wait_gone(pids, procs)
     assert procs.processes_mentioning(str(tmp_path)) == []
 
 
@@ -79,7 +74,7 @@ def test_sigkill_of_the_parent_takes_its_daemons_along(tmp_path: Path, procs) ->
     parent, pids = start_parent(tmp_path, "ready")
     parent.kill()
     parent.wait(timeout=30)
-    assert wait_gone(pids, procs) == []
+    wait_gone(pids, procs)
     assert procs.processes_mentioning(str(tmp_path)) == []
 
 
@@ -91,17 +86,18 @@ def test_ctrl_c_of_the_demo_itself_leaves_nothing(tmp_path: Path, procs) -> None
     out = tmp_path / "out"
     demo = subprocess.Popen([sys.executable, "-m", "swarmd.demo", "--peers", "3", "--out", str(out), "--no-baseline"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_in_the_foreground)
-    deadline = time.monotonic() + 60
-    while not (out / "swarm" / "peer3" / "stderr.log").exists():
-        assert demo.poll() is None and time.monotonic() < deadline, demo.communicate()
-        time.sleep(0.05)
+    def started() -> bool:
+        assert demo.poll() is None, demo.communicate()
+        return (out / "swarm" / "peer3" / "stderr.log").exists()
+
+    wait_for(started, 60, "the demo's last daemon to write its log", interval=0.05)
     assert procs.processes_mentioning(str(out)) != []
     demo.send_signal(signal.SIGINT)
     _, err = demo.communicate(timeout=30)
     assert demo.returncode == 130, err
     assert "every peer it started has been stopped" in err
-    time.sleep(0.5)
-    assert procs.processes_mentioning(str(out)) == []
+    wait_for(lambda: procs.processes_mentioning(str(out)) == [], 15, "no process to mention the demo's output",
+             interval=0.1, detail=lambda: f"still there: {procs.processes_mentioning(str(out))}")
 
 
 def test_a_parent_started_with_sigint_ignored_keeps_it_ignored(tmp_path: Path, procs) -> None:
@@ -117,4 +113,4 @@ def test_a_parent_started_with_sigint_ignored_keeps_it_ignored(tmp_path: Path, p
     parent.send_signal(signal.SIGTERM)
     parent.wait(timeout=30)
     assert parent.returncode == -signal.SIGTERM
-    assert wait_gone(pids, procs) == []
+    wait_gone(pids, procs)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobspec import job_spec
 
 from swarmd import ctl
 from swarmd.exitcodes import EXIT_OK
@@ -18,32 +19,11 @@ from swarmd.reference import ReferenceTrainer
 
 torch.set_num_threads(1)
 
-TINY = """
-name = "plot-eval"
-seed = 3
-steps = 6
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-
-[data]
-files = ["{stdlib}/json/*.py"]
-seq_len = 16
-
-[batch]
-global_samples = 8
-microbatch_samples = 4
-
-[pipeline]
-stages = 2
-
-[eval]
-every_steps = 2
-samples = 6
-holdout = 0.1
-"""
+#: Two stages of TINY_JOB's model, four heads wide, on the stdlib's json package, with swarmd's default
+#: optimizer (no [optim]), evaluated every second step.
+TINY = job_spec("plot-eval", seed=3, steps=6, files=["{stdlib}/json/*.py"], model={"n_heads": 4},
+                batch={"global_samples": 8, "microbatch_samples": 4}, optim=None, pipeline={"stages": 2},
+                eval={"every_steps": 2, "samples": 6, "holdout": 0.1})
 
 
 @pytest.fixture

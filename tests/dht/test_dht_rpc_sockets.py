@@ -1,9 +1,11 @@
 """DHT nodes over real TCP on 127.0.0.1 through transport.rpc: ids from the handshake."""
 
-import asyncio
 import time
 
+import dhtsockets
 import pytest
+from dhtsockets import stop_all
+from waiting import until
 
 from swarmd.dht import DHTConfig, DHTNode, PeerUnreachable, RemoteFailure, dht_key
 from swarmd.dht import protocol as P
@@ -14,21 +16,8 @@ from transport.identity import Identity
 CFG = DHTConfig(rpc_timeout=1.0)
 
 
-async def start_nodes(n: int, seed: str = "tcp") -> list[DHTNode]:
-    nodes = []
-    for i in range(n):
-        identity = Identity.from_seed(f"{seed}-{i}".encode())
-        node = DHTNode(identity, await RpcNetwork.listen(identity, config=CFG), CFG)
-        await node.start()
-        nodes.append(node)
-    for node in nodes[1:]:
-        assert await node.bootstrap([nodes[0].address]) >= 1
-    return nodes
-
-
-async def stop_all(nodes):
-    for node in nodes:
-        await node.stop()
+def start_nodes(n: int, seed: str = "tcp"):
+    return dhtsockets.start_nodes(n, seed, CFG)
 
 
 async def test_store_and_get_across_real_sockets_with_one_node_killed():
@@ -66,12 +55,11 @@ async def test_announcements_and_many_writers_over_tcp():
         key = dht_key("job", "tcp", "stage", 2)
         for i, node in enumerate(nodes):
             node.announce(key, lambda i=i: b"peer %d" % i)
-        deadline = time.monotonic() + 5.0
-        while True:
+        async def all_six():
             got = await nodes[0].get(key, latest=True)
-            if len(got) == 6 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
+            return got if len(got) == 6 else None
+
+        got = await until(all_six, 5.0, "six announcements", interval=0.05)
         assert {r.subkey for r in got.values()} == {n.peer_id for n in nodes}
     finally:
         await stop_all(nodes)

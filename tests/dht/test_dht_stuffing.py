@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import pytest
+from dhtsockets import start_nodes, stop_all
 
 from swarmd.clock import VirtualClock, run_virtual
 from swarmd.dht import DHTConfig, DHTNode, dht_key
@@ -110,23 +111,11 @@ def test_stuffed_records_are_forgotten_within_the_announcement_cap():
 CFG = DHTConfig(rpc_timeout=2.0)
 
 
-async def start_nodes(n: int, seed: str) -> list[DHTNode]:
-    nodes = []
-    for i in range(n):
-        identity = Identity.from_seed(f"{seed}-{i}".encode())
-        node = DHTNode(identity, await RpcNetwork.listen(identity, config=CFG), CFG)
-        await node.start()
-        nodes.append(node)
-    for node in nodes[1:]:
-        assert await node.bootstrap([nodes[0].address]) >= 1
-    return nodes
-
-
 async def test_512_throwaway_identities_over_real_sockets():
     """Five nodes on loopback; an honest node announces; an attacker process-alike (its own
     RpcNetwork and identity) stores 512 day-long records on every node (40 RPCs); the honest entry
     is still read by every node, and each node kept at most max_subkeys_per_source of the junk."""
-    nodes = await start_nodes(5, "stuff")
+    nodes = await start_nodes(5, "stuff", CFG)
     attacker = Identity.from_seed(b"mallory-tcp")
     network = await RpcNetwork.listen(attacker, config=CFG)
     try:
@@ -142,15 +131,14 @@ async def test_512_throwaway_identities_over_real_sockets():
             assert got[honest.peer_id].value == b"honest"
     finally:
         await network.stop()
-        for node in nodes:
-            await node.stop()
+        await stop_all(nodes)
 
 
 async def test_a_key_over_64_KiB_still_answers_find_value_within_the_wire_limit():
     """64 writers of 2 KiB values under one key (128 KiB of records, twice the transport's header
     limit): find_value answers a sample that fits (no "internal" failure), every node's get works,
     and the sample holds the honest writer who stored first."""
-    nodes = await start_nodes(3, "big")
+    nodes = await start_nodes(3, "big", CFG)
     attacker = Identity.from_seed(b"mallory-big")
     network = await RpcNetwork.listen(attacker, config=CFG)
     try:
@@ -168,5 +156,4 @@ async def test_a_key_over_64_KiB_still_answers_find_value_within_the_wire_limit(
             assert honest.peer_id in await node.get(key, latest=True)
     finally:
         await network.stop()
-        for node in nodes:
-            await node.stop()
+        await stop_all(nodes)

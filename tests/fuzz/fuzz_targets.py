@@ -411,10 +411,15 @@ def run_jobspec(data: bytes) -> bool | None:
             raise InvariantBroken(f"stage {stage}'s memory estimate is {need.total} bytes")
 
 
+#: The smallest valid job spec, its TOML written by hand (not by tests/_support/jobspec.py): the
+#: fuzzer's seeds are text it mutates, and this one names token-file data (`tokens`), not files.
+MINIMAL_SPEC = ('name = "m"\nsteps = 1\n[model]\narch = "transformer-lm"\nd_model = 8\nn_heads = 2\n'
+                '[data]\ntokens = "t.bin"\nseq_len = 4\n[batch]\nglobal_samples = 2\nmicrobatch_samples = 1\n')
+
+
 def _jobspec_seeds() -> list[bytes]:
     spec = parse_toml(TINY_LM)
-    minimal = 'name = "m"\nsteps = 1\n[model]\narch = "transformer-lm"\nd_model = 8\nn_heads = 2\n' \
-              '[data]\ntokens = "t.bin"\nseq_len = 4\n[batch]\nglobal_samples = 2\nmicrobatch_samples = 1\n'
+    minimal = MINIMAL_SPEC
     at_limits = minimal.replace("steps = 1", f"steps = {LIMITS['steps'].value}").replace(
         "d_model = 8", f"d_model = {LIMITS['model.d_model'].value}").replace(
         "seq_len = 4", f"seq_len = {LIMITS['data.seq_len'].value}") + f"[pipeline]\nstages = {LIMITS['pipeline.stages'].value}\n"
@@ -438,9 +443,7 @@ JOBSPEC = Target(
 #: Where job.submit seeds find their data: a token file the fuzzer's specs name relative to it.
 _JOB_DIR = Path(tempfile.mkdtemp(prefix="swarmd-fuzz-jobs-"))
 (_JOB_DIR / "t.bin").write_bytes(bytes(range(256)) * 8)
-_SUBMITTABLE = tomllib.loads(
-    'name = "m"\nsteps = 1\n[model]\narch = "transformer-lm"\nd_model = 8\nn_heads = 2\n'
-    '[data]\ntokens = "t.bin"\nseq_len = 4\n[batch]\nglobal_samples = 2\nmicrobatch_samples = 1\n')
+_SUBMITTABLE = tomllib.loads(MINIMAL_SPEC)
 
 
 class _InstantDHT:

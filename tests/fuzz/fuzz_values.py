@@ -12,7 +12,7 @@ import asyncio
 import msgpack
 
 from fuzz_oracle import InvariantBroken, Target
-from fuzz_targets import NOW, _msgpack_bound
+from fuzz_targets import MINIMAL_SPEC, NOW, _msgpack_bound
 
 from swarmd.dht.records import sign_record
 from swarmd.job.spec import parse_toml
@@ -119,9 +119,7 @@ def run_spec(data: bytes) -> bool | None:
     return None
 
 
-_MINIMAL = ('name = "m"\nsteps = 1\n[model]\narch = "transformer-lm"\nd_model = 8\nn_heads = 2\n'
-            '[data]\ntokens = "t.bin"\nseq_len = 4\n[batch]\nglobal_samples = 2\nmicrobatch_samples = 1\n')
-_SPEC = parse_toml(_MINIMAL)
+_SPEC = parse_toml(MINIMAL_SPEC)
 _SPEC_JOB = _SPEC.job_id(_SIGNER.public_key)
 
 
@@ -150,7 +148,7 @@ def _progress_seeds() -> list[bytes]:
 
 
 def _spec_seeds() -> list[bytes]:
-    return [_SPEC.to_msgpack(), parse_toml(_MINIMAL.replace("steps = 1", "steps = 2")).to_msgpack()]
+    return [_SPEC.to_msgpack(), parse_toml(MINIMAL_SPEC.replace("steps = 1", "steps = 2")).to_msgpack()]
 
 
 ANNOUNCEMENT = Target("value_announcement", run_announcement, (), _msgpack_bound, _announcement_seeds,

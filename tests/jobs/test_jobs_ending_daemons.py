@@ -85,7 +85,7 @@ def test_a_finished_job_is_left_everywhere_and_never_joined_again(kit, three, sw
     # A daemon that lends everything, started after the end, learns the job as finished and never joins it.
     late = swarm.start("elate", "--bootstrap", a.status["announce"], env={"SWARMD_JOBS_SERVE": "all"})
     kit.wait_for(lambda: job_view(swarmctl, late, job_id)["state"] == "done", 30, "the late daemon to see the end")
-    time.sleep(3)  # several join ticks (0.5 s each)
+    time.sleep(3)  # a window in which nothing may happen: several join ticks (0.5 s each), none joining
     assert late.client.status()["serving"]["stages"] == []
     assert "joined stage" not in late.log.read_text()
     refused = swarmctl("--socket", str(late.socket), "serve", job_id, "--stage", "0")

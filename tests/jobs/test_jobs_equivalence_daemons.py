@@ -9,7 +9,6 @@ matches the reference's within 1e-3 relative."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -53,14 +52,8 @@ def train_on_both(daemons, data: Path, spec_path: Path, swarmctl, kit) -> str:
     """Submit on the first daemon (no trainer there), serve all three stages on both, run one
     trainer shard on each; the job id once both show the job done."""
     a, b = daemons
-    submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
-    assert submitted.returncode == EXIT_OK, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job"]
-    kit.wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job", interval=0.5)
-    for daemon in daemons:
-        for stage in range(3):
-            result = swarmctl("--socket", str(daemon.socket), "--json", "serve", job_id, "--stage", str(stage))
-            assert result.returncode == EXIT_OK, result.stderr
+    job_id = kit.submit_and_serve(kit.on_socket(swarmctl), spec_path,
+                                  [(daemon, stage) for daemon in daemons for stage in range(3)])
     kit.wait_for(lambda: all(len(s["peers"]) == 2 for s in a.client.job(job_id)["stages"]), 30, "two peers per stage",
                  interval=0.5)
     for shard, daemon in enumerate(daemons):

@@ -69,13 +69,7 @@ def test_eval_loss_is_reported_everywhere_and_the_export_reproduces_it(swarm, sw
     valid.write_text(Path(csv.__file__).read_text())  # other text than the training data's
     spec = parse_toml(spec_path.read_text())
     a, b = swarm.together([f"{source[0]}a", f"{source[0]}b"], env={"SWARMD_METRICS_LISTEN": "127.0.0.1:0"})
-    submitted = ctl(a, "--json", "submit", "--trainers", "0", str(spec_path))
-    assert submitted.returncode == EXIT_OK, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job"]
-    kit.wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job", interval=0.5)
-    for stage, daemon in enumerate((a, b)):
-        done = ctl(daemon, "serve", job_id, "--stage", str(stage))
-        assert done.returncode == EXIT_OK, done.stderr
+    job_id = kit.submit_and_serve(ctl, spec_path, [(a, 0), (b, 1)])
     kit.wait_for(lambda: all(any(p["state"] == "serving" for p in s["peers"]) for s in a.client.job(job_id)["stages"]),
                  60, "both stages served", interval=0.5)
     assert a.client.job(job_id)["eval_loss"] is None  # nothing evaluated yet

@@ -54,13 +54,7 @@ def test_export_live_then_from_checkpoints(swarm, swarm_root: Path, swarmctl, ki
     data, spec_path = kit.write_job(swarm_root, "export", copies=1, seed=3, steps=STEPS, **LLAMA)
     spec = parse_toml(spec_path.read_text())
     a, b = swarm.together(["xa", "xb"])
-    submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
-    assert submitted.returncode == EXIT_OK, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job"]
-    kit.wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job", interval=0.5)
-    for stage, daemon in enumerate((a, b)):
-        done = swarmctl("--socket", str(daemon.socket), "serve", job_id, "--stage", str(stage))
-        assert done.returncode == EXIT_OK, done.stderr
+    job_id = kit.submit_and_serve(kit.on_socket(swarmctl), spec_path, [(a, 0), (b, 1)])
     kit.wait_for(lambda: all(any(p["state"] == "serving" for p in s["peers"]) for s in a.client.job(job_id)["stages"]),
                  60, "both stages served", interval=0.5)
 

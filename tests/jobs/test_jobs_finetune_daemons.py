@@ -62,13 +62,7 @@ def test_finetune_in_bf16_continues_and_wrong_weights_are_refused(swarm, swarm_r
     assert refused.returncode != EXIT_OK and "init_digest" in refused.stderr, refused.stderr
     print("refused:", refused.stderr.strip())
 
-    submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
-    assert submitted.returncode == EXIT_OK, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job"]
-    kit.wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job", interval=0.5)
-    for stage, daemon in enumerate((a, b)):
-        done = swarmctl("--socket", str(daemon.socket), "serve", job_id, "--stage", str(stage))
-        assert done.returncode == EXIT_OK, done.stderr
+    job_id = kit.submit_and_serve(kit.on_socket(swarmctl), spec_path, [(a, 0), (b, 1)])
     assert swarmctl("--socket", str(a.socket), "train", job_id, "--data", str(data)).returncode == EXIT_OK
     kit.wait_for(lambda: kit.finished(a, job_id), 240, "fine-tuning to finish", interval=0.5)
     assert a.client.job(job_id)["state"] == "done", a.client.logs(job_id)

@@ -9,7 +9,6 @@ single-process reference's within 1e-5 relative (the equivalence test's bound)."
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -37,14 +36,8 @@ def test_llama_three_stages_through_a_kill_match_the_reference(swarm, swarm_root
     torch.set_num_threads(1)
     data, spec_path = kit.write_job(swarm_root, "llama", seed=13, steps=STEPS, **LLAMA)
     a, b = swarm.together(["la", "lb"])
-    submitted = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec_path))
-    assert submitted.returncode == EXIT_OK, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job"]
-    kit.wait_for(lambda: any(j["job"] == job_id for j in b.client.jobs()), 30, "b to learn the job", interval=0.5)
-    for daemon in (a, b):
-        for stage in range(3):
-            done = swarmctl("--socket", str(daemon.socket), "serve", job_id, "--stage", str(stage))
-            assert done.returncode == EXIT_OK, done.stderr
+    job_id = kit.submit_and_serve(kit.on_socket(swarmctl), spec_path,
+                                  [(daemon, stage) for daemon in (a, b) for stage in range(3)])
     kit.wait_for(lambda: all(len(s["peers"]) == 2 for s in a.client.job(job_id)["stages"]), 30, "two peers per stage",
                  interval=0.5)
     assert swarmctl("--socket", str(a.socket), "train", job_id, "--data", str(data)).returncode == EXIT_OK

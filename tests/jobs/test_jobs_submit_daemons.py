@@ -7,39 +7,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
+from jobspec import job_spec
+from waiting import wait_for
 
 from swarmd.exitcodes import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK
 
 pytestmark = pytest.mark.slow
 
-SPEC = """name = "{name}"
-seed = 3
-steps = 5
-[model]
-arch = "{arch}"
-d_model = 32
-n_heads = 2
-layers_per_stage = 1
-vocab = 256
-[data]
-files = [{files}]
-seq_len = 16
-[batch]
-global_samples = {global_samples}
-microbatch_samples = 2
-[pipeline]
-stages = {stages}
-"""
-
-
-def write_spec(where: Path, name: str = "tiny", *, arch: str = "transformer-lm", files: str = '"data.txt"',
+def write_spec(where: Path, name: str = "tiny", *, arch: str = "transformer-lm", files: tuple[str, ...] = ("data.txt",),
                global_samples: int = 4, stages: int = 3) -> Path:
+    """TINY_JOB with swarmd's default optimizer (no [optim]), readable by every user."""
     path = where / f"{name}.toml"
-    path.write_text(SPEC.format(name=name, arch=arch, files=files, global_samples=global_samples, stages=stages))
+    path.write_text(job_spec(name, seed=3, steps=5, files=list(files), model={"arch": arch},
+                             batch={"global_samples": global_samples}, optim=None, pipeline={"stages": stages}))
     path.chmod(0o644)
     return path
 
@@ -57,7 +40,7 @@ def pair(swarm, swarm_root: Path):
     ({"arch": "no-such-arch"}, "model.arch"),
     ({"stages": 0}, "pipeline.stages"),
     ({"global_samples": 5}, "batch.global_samples"),
-    ({"files": '"missing-*.txt"'}, "data.files"),
+    ({"files": ("missing-*.txt",)}, "data.files"),
 ])
 def test_bad_specs_are_refused_naming_the_field(pair, swarmctl, swarm_root: Path, bad: dict, field: str) -> None:
     a, _ = pair
@@ -75,7 +58,7 @@ def test_bad_specs_are_refused_naming_the_field(pair, swarmctl, swarm_root: Path
 def test_unparsable_spec_file_is_a_usage_error(pair, swarmctl, swarm_root: Path) -> None:
     a, _ = pair
     spec = swarm_root / "broken.toml"
-    spec.write_text("name = \n")
+    spec.write_text("name = \n")  # by hand: the point is a file that is not TOML
     result = swarmctl("--socket", str(a.socket), "submit", str(spec))
     assert result.returncode == EXIT_CONFIG and "not valid TOML" in result.stderr
 
@@ -90,7 +73,7 @@ def test_data_the_submitting_user_cannot_read_is_refused(pair, swarmctl, swarm_r
     secret.write_text("root only\n" * 100)
     secret.chmod(0o600)
     nobody = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
-    spec = write_spec(swarm_root, "secret", files=f'"{secret}"')
+    spec = write_spec(swarm_root, "secret", files=(str(secret),))
     result = swarmctl("--socket", str(a.socket), "submit", str(spec), prefix=nobody)
     print(result.stderr.strip())
     assert result.returncode == EXIT_FAILURE
@@ -104,7 +87,7 @@ def test_data_the_submitting_user_cannot_read_is_refused(pair, swarmctl, swarm_r
 
     secret.chmod(0o640)
     os.chown(secret, 0, 65534)  # readable through the group now
-    spec = write_spec(swarm_root, "grouped", files=f'"{secret}"')
+    spec = write_spec(swarm_root, "grouped", files=(str(secret),))
     assert swarmctl("--socket", str(a.socket), "submit", "--trainers", "0", str(spec), prefix=nobody).returncode == EXIT_OK
 
 
@@ -119,15 +102,13 @@ def test_submitted_job_is_found_through_the_dht(pair, swarmctl, swarm_root: Path
     again = swarmctl("--socket", str(a.socket), "--json", "submit", "--trainers", "0", str(spec))
     assert json.loads(again.stdout)["job"] == job_id  # same spec, same submitter: same job
 
-    deadline = time.monotonic() + 30
-    while True:
-        listed = json.loads(swarmctl("--socket", str(b.socket), "--json", "jobs").stdout)
-        mine = [j for j in listed if j["job"] == job_id]
-        if mine or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert mine, f"b never listed {job_id}: {listed}"
-    (job,) = mine
+    listed: list[dict] = []
+
+    def b_lists_it() -> list[dict]:
+        listed[:] = json.loads(swarmctl("--socket", str(b.socket), "--json", "jobs").stdout)
+        return [j for j in listed if j["job"] == job_id]
+
+    (job,) = wait_for(b_lists_it, 30, f"b to list {job_id}", interval=0.5, detail=lambda: f"b lists {listed}")
     # The spec record is signed by a's identity: its peer id is the hash of the submitter key.
     assert hashlib.sha256(bytes.fromhex(job["submitter"])).hexdigest() == a.status["peer_id"]
     assert job["state"] == "waiting" and job["stages"] == 3

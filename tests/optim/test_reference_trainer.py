@@ -3,6 +3,7 @@
 import json
 
 import torch
+from jobspec import job_spec
 
 from swarmd.job import load_spec
 from swarmd.model import build_stage
@@ -11,40 +12,14 @@ from swarmd.reference import ReferenceTrainer, main
 
 torch.set_num_threads(1)
 
-TINY = """
-name = "tiny"
-seed = 3
-steps = {steps}
-
-[model]
-arch = "transformer-lm"
-d_model = 64
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["{{stdlib}}/json/*.py"]
-seq_len = 64
-
-[batch]
-global_samples = 8
-microbatch_samples = 4
-
-[optim]
-name = "{optim}"
-lr = {lr}
-momentum = 0.9
-schedule = "constant"
-clip_norm = 1.0
-
-[pipeline]
-stages = {stages}
-"""
-
-
-def write_spec(tmp_path, steps=6, optim="adamw", lr=3e-3, stages=2):
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY.format(steps=steps, optim=optim, lr=lr, stages=stages))
+def write_spec(tmp_path, steps=6, optim="adamw", lr=3e-3, stages=2, file="tiny.toml"):
+    """TINY_JOB's model at width 64 on the stdlib's json package, with samples of 64 tokens."""
+    path = tmp_path / file
+    path.write_text(job_spec("tiny", seed=3, steps=steps, files=["{stdlib}/json/*.py"],
+                             model={"d_model": 64, "n_heads": 4}, data={"seq_len": 64},
+                             batch={"global_samples": 8, "microbatch_samples": 4},
+                             optim={"name": optim, "lr": lr, "momentum": 0.9, "clip_norm": 1.0},
+                             pipeline={"stages": stages}))
     return path
 
 
@@ -118,7 +93,6 @@ def test_cli_writes_losses(tmp_path, capsys):
 
 
 def test_cli_reports_a_bad_spec(tmp_path, capsys):
-    path = tmp_path / "bad.toml"
-    path.write_text(TINY.format(steps=2, optim="adamw", lr=1e-3, stages=0))
+    path = write_spec(tmp_path, steps=2, lr=1e-3, stages=0, file="bad.toml")
     assert main([str(path)]) == 2
     assert "pipeline.stages" in capsys.readouterr().err

@@ -106,14 +106,15 @@ def reply_entries(reply: Message) -> list[LoadEntry]:
 async def wait_full(peers: list[Peer], expected: set[bytes], timeout: float = 15.0) -> list[int]:
     """Poll until every view holds exactly `expected`; returns the rounds each peer completed meanwhile
     (peers start one by one, so rounds done before the last one was up are not counted)."""
-    deadline = time.monotonic() + timeout
     before = [p.service.stats.rounds for p in peers]
-    while True:
-        views = [{e.peer_id for e in await p.service.entries()} for p in peers]
-        if all(v == expected for v in views):
-            return [p.service.stats.rounds - b for p, b in zip(peers, before)]
-        assert time.monotonic() < deadline, f"no full view after {timeout} s: sizes {[len(v) for v in views]}"
-        await asyncio.sleep(0.02)
+    views: list[set[bytes]] = []
+
+    async def full() -> bool:
+        views[:] = [{e.peer_id for e in await p.service.entries()} for p in peers]
+        return all(v == expected for v in views)
+
+    await until(full, timeout, "a full view", detail=lambda: f"sizes {[len(v) for v in views]}")
+    return [p.service.stats.rounds - b for p, b in zip(peers, before)]
 
 
 async def test_ten_peers_converge_to_a_full_view_within_a_few_rounds():
@@ -133,10 +134,8 @@ async def test_ten_peers_converge_to_a_full_view_within_a_few_rounds():
 async def wait_rounds(peers: list[Peer], rounds: int, timeout: float = 60.0) -> None:
     """Until every peer has completed `rounds` more gossip rounds."""
     target = [p.service.stats.rounds + rounds for p in peers]
-    deadline = time.monotonic() + timeout
-    while any(p.service.stats.rounds < t for p, t in zip(peers, target)):
-        assert time.monotonic() < deadline, f"fewer than {rounds} rounds in {timeout} s"
-        await asyncio.sleep(0.05)
+    await until(lambda: all(p.service.stats.rounds >= t for p, t in zip(peers, target)), timeout,
+                f"{rounds} more rounds on every peer", interval=0.05)
 
 
 def dials_allowed(config: GossipConfig, elapsed_s: float) -> int:
@@ -288,8 +287,7 @@ async def test_stop_during_a_round_waiting_on_a_silent_partner_returns_at_once_a
     config = dataclasses.replace(FAST, fanout=5, call_timeout_s=30.0)
     try:
         async with swarm(2, config, extra_members=[silent_member]) as (peers, _):
-            while len(held) < 2:
-                await asyncio.sleep(0.01)
+            await until(lambda: len(held) >= 2, 30, "both peers to dial the silent partner", interval=0.01)
             started = time.monotonic()
             for p in peers:
                 await p.service.stop()
@@ -325,11 +323,12 @@ async def test_forged_or_malformed_replies_from_a_hostile_partner_are_refused_an
     try:
         async with swarm(3, config, extra_members=[member]) as (peers, _):
             await wait_full(peers, {p.identity.peer_id for p in peers})
-            deadline = time.monotonic() + 5.0
-            while len(answers) < 2:
-                assert time.monotonic() < deadline, "the hostile partner was never called twice"
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)
+            await until(lambda: len(answers) >= 2, 5, "the hostile partner to be called twice")
+            # Its callers merged the forgery and counted the garbage, not merely sent their calls.
+            await until(lambda: sum(p.service.stats.rejected["bad signature"] for p in peers) >= 1
+                        and sum(p.service.stats.exchanges_failed for p in peers) >= 1, 5,
+                        "the forgery refused and the garbage counted as a failed exchange")
+            await asyncio.sleep(0.3)  # a window in which nothing may happen: no backed-off caller dials the liar
             assert sum(p.service.stats.rejected["bad signature"] for p in peers) == 1
             assert sum(p.service.stats.exchanges_failed for p in peers) >= 1
             assert len(answers) <= 3  # every caller refused by a lie backs the liar off for 5 s
@@ -440,11 +439,15 @@ async def test_a_peer_dropped_from_the_directory_is_no_longer_dialled_and_its_en
         gone = peers[3]
         directory.set(JOB, gone.stage, [StagePeer(p.identity.peer_id, p.addr, p.stage) for p in peers[:3]
                                          if p.stage == gone.stage])
-        await asyncio.sleep(FAST.members_ttl_s + 2 * FAST.call_timeout_s)  # refresh, let calls in flight end
+        # A peer refreshes its members at the start of a round, after its previous round's calls ended:
+        # once none of the others lists it, no call to it is in flight.
+        await until(lambda: all(gone.identity.peer_id not in p.service._members for p in peers[:3]), 10,
+                    "every remaining peer to drop the withdrawn one from its members")
         served = gone.service.stats.served
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a window in which nothing may happen: nobody calls the withdrawn peer
         assert gone.service.stats.served == served
-        assert sum(p.service.stats.rejected["not a member"] for p in peers[:3]) >= 1
+        await until(lambda: sum(p.service.stats.rejected["not a member"] for p in peers[:3]) >= 1, 5,
+                    "the withdrawn peer's own pushes to be refused as not a member")
 
 
 async def test_a_failing_directory_keeps_the_last_members_and_gossip_goes_on(caplog):
@@ -454,7 +457,7 @@ async def test_a_failing_directory_keeps_the_last_members_and_gossip_goes_on(cap
 
         directory.peers = unreachable
         before = [p.service.stats.exchanges_ok for p in peers]
-        await asyncio.sleep(0.6)
+        await until(lambda: "the directory did not answer" in caplog.text, 10, "a members refresh to fail")
         await wait_full(peers, {p.identity.peer_id for p in peers})
         assert all(p.service.stats.exchanges_ok > b for p, b in zip(peers, before))
         assert "the directory did not answer" in caplog.text

@@ -4,10 +4,9 @@ rounds for good: it is recorded, the rounds restart and the views still converge
 
 from __future__ import annotations
 
-import asyncio
-import time
 
 import torch
+from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.rebalance.gossip import GossipConfig, GossipService, OwnLoad
@@ -55,16 +54,19 @@ async def test_a_round_that_raises_is_restarted_and_the_views_converge() -> None
             directory.set(JOB, 0, members)
         for service in services:
             await service.start()
-        deadline = time.monotonic() + 20
-        while (fault := faults.get(f"rebalancing: gossip rounds {JOB.hex()[:16]}")) is None or fault.restarts < 3 \
-                or fault.retry_at is not None:
-            assert time.monotonic() < deadline, f"three failed rounds were not restarted: {faults.status()}"
-            await asyncio.sleep(0.05)
+        def restarted():
+            fault = faults.get(f"rebalancing: gossip rounds {JOB.hex()[:16]}")
+            return fault if fault is not None and fault.restarts >= 3 and fault.retry_at is None else None
+
+        fault = await until(restarted, 20, "three failed rounds to be restarted", interval=0.05,
+                            detail=lambda: str(faults.status()))
         assert fault.last_error.startswith("ValueError: invalid literal")
         rounds = services[0].stats.rounds
-        while services[0].stats.rounds < rounds + 3 or [len(await s.entries()) for s in services] != [2, 2]:
-            assert time.monotonic() < deadline, "the restarted rounds did not go on"
-            await asyncio.sleep(0.05)
+
+        async def went_on() -> bool:
+            return services[0].stats.rounds >= rounds + 3 and [len(await s.entries()) for s in services] == [2, 2]
+
+        await until(went_on, 20, "the restarted rounds to go on", interval=0.05)
     finally:
         for service in services:
             await service.stop()

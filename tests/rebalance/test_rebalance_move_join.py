@@ -12,6 +12,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from waiting import until
 
 import swarmd.jobs.serving as serving_module
 from swarmd.job.spec import JobSpec
@@ -83,10 +84,16 @@ def serving(monkeypatch) -> Serving:
     return serving
 
 
-async def until(predicate) -> None:
-    async with asyncio.timeout(5):
-        while not predicate():
-            await asyncio.sleep(0.01)
+class CountingLock(asyncio.Lock):
+    """`Serving`'s join lock, counting who asked for it: a join blocked behind a move has asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    async def acquire(self) -> bool:
+        self.asked += 1
+        return await super().acquire()
 
 
 def built_for(stage: int) -> int:
@@ -96,7 +103,7 @@ def built_for(stage: int) -> int:
 async def test_a_move_during_a_join_is_skipped_and_leaves_everything_as_it_was(serving) -> None:
     gate = GatedService.gates[2] = asyncio.Event()
     join = asyncio.create_task(serving.serve(SPEC, JOB, 2, submitter=SUBMITTER))
-    await until(lambda: built_for(2) == 1)  # the join is starting its service
+    await until(lambda: built_for(2) == 1, 5, "the join to start its service")
     old = serving.served[(JOB, 0)].service
     with pytest.raises(MoveFailed, match="a join or leave is under way"):
         async with asyncio.timeout(5):
@@ -110,10 +117,11 @@ async def test_a_move_during_a_join_is_skipped_and_leaves_everything_as_it_was(s
 
 async def test_a_join_during_a_move_waits_and_finds_the_moved_in_stage(serving) -> None:
     gate = GatedService.gates[2] = asyncio.Event()
+    joins = serving._joins = CountingLock()
     move = asyncio.create_task(serving.move(JOB, 0, 2, drain_timeout_s=2.0))
-    await until(lambda: built_for(2) == 1)  # drained, now joining stage 2
+    await until(lambda: built_for(2) == 1, 5, "the move to drain and join stage 2")
     join = asyncio.create_task(serving.serve(SPEC, JOB, 2, submitter=SUBMITTER))
-    await asyncio.sleep(0.1)
+    await until(lambda: joins.asked == 2, 5, "the join to ask for the lock the move holds")
     assert not join.done() and built_for(2) == 1  # waiting for the move, not starting a second service
     gate.set()
     record = await move

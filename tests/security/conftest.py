@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import jobswarm
 import pytest
 import torch
-from jobspec import write_job
+from jobspec import job_spec, write_job
 from jobswarm import swarm_root, swarmctl  # noqa: F401 (fixtures)
 from waiting import wait_for
 
@@ -41,42 +41,16 @@ HOSTILE = Path(__file__).with_name("hostile_peer.py")
 REPO = Path(__file__).resolve().parents[2]
 JOB_ID = hashlib.sha256(b"hostile-test-job").digest()
 
-JOB = """
-name = "hostile"
-seed = 7
-steps = {steps}
 
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
+def hostile_job(steps: int) -> str:
+    """Two stages of TINY_JOB's model, four heads wide, on the stdlib's json package (`{stdlib}`,
+    which the daemon expands), SGD with momentum, tensors shipped uncompressed."""
+    return job_spec("hostile", seed=7, steps=steps, files=["{stdlib}/json/*.py"], model={"n_heads": 4},
+                    batch={"global_samples": 16, "microbatch_samples": 4},
+                    optim={"lr": 0.2, "momentum": 0.9, "weight_decay": 0.0, "clip_norm": 1.0},
+                    wire={"activations": "none", "gradients": "none"},
+                    pipeline={"stages": 2, "microbatches_in_flight": 2, "delayed_updates": False})
 
-[data]
-files = ["{{stdlib}}/json/*.py"]
-seq_len = 16
-
-[batch]
-global_samples = 16
-microbatch_samples = 4
-
-[optim]
-name = "sgd"
-lr = 0.2
-momentum = 0.9
-weight_decay = 0.0
-schedule = "constant"
-clip_norm = 1.0
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = 2
-microbatches_in_flight = 2
-delayed_updates = false
-"""
 
 # allreduce_codec "none": the honest swarm's losses are compared with the fp32 reference.
 LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=5.0, max_wait_s=5.0,
@@ -208,7 +182,7 @@ async def hostile_swarm(tmp_path):
     async def start(honest_per_stage: int, hostile_stage: int, mode: str, limits: StageLimits = LIMITS,
                     steps: int = 6, rpc: dict | None = None, target=None, victim=None) -> tuple[Swarm, object, Pool]:
         job_path = tmp_path / "job.toml"
-        job_path.write_text(JOB.format(steps=steps))
+        job_path.write_text(hostile_job(steps))
         spec = load_spec(job_path)
         data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, tmp_path)
         swarm = Swarm(spec, job_path, limits, rpc or {})

@@ -31,6 +31,7 @@ import contextlib
 
 import pytest
 from adversary_kit import JOB, STAGE, backward, committed_within, spec, start_peer, stranger_pool
+from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.stage.core import CoreConfig, Download, MateView, Phase, StageCore, initial_digest
@@ -116,12 +117,27 @@ async def test_one_stranger_cannot_fast_forward_a_stage(lone_peer):
         await liar.close()
 
 
-async def settled(calls: list[asyncio.Task], held) -> None:
-    """Until each of a stranger's calls is either answered (refused) or held by the peer (`held()`
-    counts the slots they hold)."""
-    async with asyncio.timeout(5):
-        while held() + sum(call.done() for call in calls) < len(calls):
-            await asyncio.sleep(0.01)
+async def next_step_is_answered(victim, stranger, calls: list[asyncio.Task], held) -> None:
+    """Once each of a stranger's `calls` is either answered (refused) or held by the peer (`held()`
+    counts the slots they hold), the trainer sends step 1's first microbatch (parked until step 0
+    commits) and step 0's four: the step-1 call must be parked, then answered once step 0 commits
+    (on main: RemoteError busy, "16 calls already wait for a commit")."""
+    trainer, trainer_identity = stranger_pool()
+    try:
+        await until(lambda: held() + sum(call.done() for call in calls) >= len(calls), 5,
+                    "every stranger's call answered or held", interval=0.01)
+        next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
+        await until(lambda: victim.service.parked.held_by(trainer_identity.peer_id) or next_step.done(), 5,
+                    "the trainer's step-1 call parked (or, on main, refused)", interval=0.01)
+        await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
+        assert await committed_within([victim], 1, 5.0)
+        await next_step
+    finally:
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await stranger.close()
+        await trainer.close()
 
 
 async def test_a_strangers_wait_commit_calls_do_not_refuse_the_trainers_next_step(lone_peer):
@@ -131,26 +147,10 @@ async def test_a_strangers_wait_commit_calls_do_not_refuse_the_trainers_next_ste
     max_waiting slot; now they have slots of their own, max_watchers_per_peer for one caller)."""
     victim, _ = lone_peer
     stranger, _ = stranger_pool()
-    trainer, trainer_identity = stranger_pool()
-    trainer_id = trainer_identity.peer_id
     wait = Message({"job": JOB, "stage": STAGE, "step": 100, "timeout_s": 30.0}, codec="none")
     waits = [asyncio.create_task(stranger.call(victim.addr, "stage.wait_commit", wait, timeout=10))
              for _ in range(victim.service.limits.max_waiting)]
-    try:
-        await settled(waits, lambda: victim.service.watchers.total)
-        next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
-        async with asyncio.timeout(5):  # parked (or, on main, refused)
-            while not (victim.service.parked.held_by(trainer_id) or next_step.done()):
-                await asyncio.sleep(0.01)
-        await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
-        assert await committed_within([victim], 1, 5.0)
-        await next_step  # on main: RemoteError busy ("16 calls already wait for a commit")
-    finally:
-        for task in waits:
-            task.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
-        await stranger.close()
-        await trainer.close()
+    await next_step_is_answered(victim, stranger, waits, lambda: victim.service.watchers.total)
 
 
 async def test_a_strangers_parked_future_calls_do_not_refuse_the_trainers_next_step(lone_peer):
@@ -161,22 +161,6 @@ async def test_a_strangers_parked_future_calls_do_not_refuse_the_trainers_next_s
     max_waiting_per_peer)."""
     victim, _ = lone_peer
     stranger, _ = stranger_pool()
-    trainer, trainer_identity = stranger_pool()
-    trainer_id = trainer_identity.peer_id
     parked = [asyncio.create_task(backward(stranger, victim, 5, m % 4, timeout=10.0))
               for m in range(victim.service.limits.max_waiting)]
-    try:
-        await settled(parked, lambda: victim.service.parked.total)
-        next_step = asyncio.create_task(backward(trainer, victim, 1, 0, timeout=8.0))
-        async with asyncio.timeout(5):  # parked (or, on main, refused)
-            while not (victim.service.parked.held_by(trainer_id) or next_step.done()):
-                await asyncio.sleep(0.01)
-        await asyncio.gather(*(backward(trainer, victim, 0, m) for m in range(4)))
-        assert await committed_within([victim], 1, 5.0)
-        await next_step  # on main: RemoteError busy ("16 calls already wait for a commit")
-    finally:
-        for task in parked:
-            task.cancel()
-        await asyncio.gather(*parked, return_exceptions=True)
-        await stranger.close()
-        await trainer.close()
+    await next_step_is_answered(victim, stranger, parked, lambda: victim.service.parked.total)

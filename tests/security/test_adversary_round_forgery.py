@@ -27,6 +27,7 @@ import pytest
 import torch
 from adversary_kit import (FAST, JOB, STAGE, backward, committed_within, fake_id, progress, spec, start_peer,
                            ordered_identities, stranger_pool)
+from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.stage.sync import ROUND_PROTOCOL
@@ -85,20 +86,24 @@ async def test_phantom_rounds_from_a_stranger_do_not_stop_a_stage(stage_peers, s
     peers, _ = await stage_peers(2)
     pool, _ = stranger
     trainer, _ = stranger_pool()
+    invited: list[bytes] = []  # the victims each phantom invitation went to, answered or refused
 
     async def invite_forever() -> None:
         while True:
             for victim in peers:
                 with contextlib.suppress(TransportError, RemoteError):
                     seen = await progress(pool, victim)
-                    await pool.call(victim.addr, "stage.sync.round", invitation(
-                        seen["step"], seen["digest"], [(fake_id(), "127.0.0.1:9"), (victim.peer_id, victim.addr)]),
-                        timeout=2)
+                    try:
+                        await pool.call(victim.addr, "stage.sync.round", invitation(
+                            seen["step"], seen["digest"], [(fake_id(), "127.0.0.1:9"), (victim.peer_id, victim.addr)]),
+                            timeout=2)
+                    finally:
+                        invited.append(victim.peer_id)
             await asyncio.sleep(0.3)
 
     attack = asyncio.create_task(invite_forever())
     try:
-        await asyncio.sleep(0.5)
+        await until(lambda: {p.peer_id for p in peers} <= set(invited), 10, "the stranger to invite both peers")
         await asyncio.gather(*(backward(trainer, peers[m % 2], 0, m) for m in range(4)))
         assert await committed_within(peers, 1, 8.0), "the stage did not commit step 0 under phantom rounds"
     finally:

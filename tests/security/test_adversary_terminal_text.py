@@ -18,11 +18,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from controlsock import serve_control
 
-from swarmd import control
 from swarmd.client import Client
 from swarmd.train.trainer import BanRecord
-from transport.rpc import RpcConfig, RpcServer, Router
 
 HOSTILE = "busy: \x1b]0;owned\x07\x1b[2J\nbanned     stage 0 peer 0000 (127.0.0.1:1): forged line"
 JOB_ID = b"j" * 32
@@ -50,16 +49,8 @@ class View:
 
 @pytest.fixture
 async def served(tmp_path: Path):
-    bound = control.bind(tmp_path / "c.sock")
-    router = Router()
-    control.register(router, View())
-    server = await RpcServer.serve_unix(router, sock=bound.sock, config=RpcConfig(),
-                                        admit=control.Admission.for_socket(bound.path).check)
-    try:
-        yield bound.path
-    finally:
-        await server.close()
-        bound.close()
+    async with serve_control(tmp_path / "c.sock", View()) as path:
+        yield path
 
 
 def strings(value):

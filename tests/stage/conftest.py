@@ -3,56 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import pytest
 import torch
+from jobspec import job_spec
+from stagepeer import Peer, start_stage_peer
 
-from swarmd.directory import StagePeer, StaticDirectory
+from swarmd.directory import StaticDirectory
 from swarmd.job import parse_toml
-from swarmd.stage import StageLimits, StageService
+from swarmd.stage import StageLimits
 from transport.errors import RemoteError
-from transport.rpc import Message, Pool, Router, RpcServer
+from transport.rpc import Message, Pool, Router
 
 torch.set_num_threads(1)
-
-SPEC = """
-name = "stage-test"
-seed = 5
-steps = 20
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["unused.txt"]
-seq_len = 16
-
-[batch]
-global_samples = {global_samples}
-microbatch_samples = {microbatch}
-
-[optim]
-name = "{optim}"
-lr = 0.05
-momentum = 0.9
-schedule = "constant"
-clip_norm = 0.0
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = {stages}
-delayed_updates = {delayed}
-
-[checkpoint]
-every_steps = {every}
-"""
 
 JOB = hashlib.sha256(b"stage-test-job").digest()
 # allreduce_codec "none": the tests built on FAST compare the peers with the single-process fp32
@@ -63,43 +26,20 @@ FAST = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s
 
 
 def make_spec(global_samples=8, microbatch=2, optim="sgd", stages=2, delayed=False, every=0):
-    return parse_toml(SPEC.format(global_samples=global_samples, microbatch=microbatch, optim=optim,
-                                  stages=stages, delayed=str(delayed).lower(), every=every))
-
-
-@dataclass
-class Peer:
-    service: StageService
-    rpc: RpcServer
-    pool: Pool
-
-    @property
-    def addr(self) -> str:
-        host, port = self.rpc.address
-        return f"{host}:{port}"
-
-    async def close(self) -> None:
-        await self.service.stop()
-        await self.rpc.close()
-        await self.pool.close()
+    """TINY_JOB's model four heads wide, without clipping, tensors shipped uncompressed."""
+    return parse_toml(job_spec("stage-test", seed=5, steps=20, files=["unused.txt"], model={"n_heads": 4},
+                               batch={"global_samples": global_samples, "microbatch_samples": microbatch},
+                               optim={"name": optim, "momentum": 0.9, "clip_norm": 0.0},
+                               wire={"activations": "none", "gradients": "none"},
+                               pipeline={"stages": stages, "delayed_updates": delayed},
+                               checkpoint={"every_steps": every}))
 
 
 async def start_peer(spec, stage, index, directory: StaticDirectory, limits=FAST, state_dir=None,
                      router: Router | None = None, announce=True, anchor=None, device="cpu") -> Peer:
-    """A stage peer listening on 127.0.0.1:0, announced in `directory` once it serves; `anchor`
-    stands for the job's submitter's signed progress (`swarmd.stage.resume`)."""
-    router = router or Router()
-    rpc = await RpcServer.serve_tcp(router, "127.0.0.1", 0)
-    pool = Pool()
-    peer_id = bytes([index]) * 32
-    addr = f"{rpc.address[0]}:{rpc.address[1]}"
-    service = StageService(spec, JOB, stage, peer_id, router, pool, directory, address=addr,
-                           limits=limits, state_dir=state_dir, anchor=anchor, device=device)
-    await service.start()
-    if announce:
-        announced = await directory.peers(JOB, stage)
-        directory.set(JOB, stage, [*announced, StagePeer(peer_id, addr, stage)])
-    return Peer(service, rpc, pool)
+    """A stage peer whose peer id is `index` repeated (tests/_support/stagepeer.py)."""
+    return await start_stage_peer(spec, JOB, stage, directory, limits, peer_id=bytes([index]) * 32,
+                                  state_dir=state_dir, router=router, announce=announce, anchor=anchor, device=device)
 
 
 @pytest.fixture

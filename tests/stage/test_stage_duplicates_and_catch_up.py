@@ -8,10 +8,11 @@ import asyncio
 
 import pytest
 import torch
+from stageref import reference_stage
+from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.model import build_stage
-from swarmd.optim import StageOptimizer
 from swarmd.stage import StageLimits
 from swarmd.stage.core import Admission
 from transport.errors import DeadlineExceeded, RemoteError
@@ -37,20 +38,9 @@ def _mate_ids(peer):
 
 def assert_reference(spec, peer, mbs):
     """The peer's parameters equal one step of a reference that applied each of `mbs` once."""
-    ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
-    opt = StageOptimizer(ref, spec.optim, spec.steps)
-    for m in mbs:
-        x, gy = inputs(0, m)
-        ref(x).backward(gy)
-    opt.step(spec.batch.global_samples)
+    ref = reference_stage(spec, STAGE, 3, 1, lambda step, m: inputs(0, mbs[m]), microbatches=len(mbs))
     for p, q in zip(peer.service.stage.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
-
-
-async def until(predicate, timeout=10.0):
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def test_a_microbatch_a_mate_holds_is_answered_but_not_added(kit, client):
@@ -67,11 +57,11 @@ async def test_a_microbatch_a_mate_holds_is_answered_but_not_added(kit, client):
         for m in (0, 1, 2):
             await backward(kit, client, a, 0, m)
         assert (await backward(kit, client, a, 0, 0)).meta["duplicate"] is True
-        await until(lambda: 2 in _mate_ids(b))
+        await until(lambda: 2 in _mate_ids(b), 10.0, "2 in _mate_ids(b)")
         retry = await backward(kit, client, b, 0, 2)
         assert retry.meta["held_by_mate"] is True and retry.meta["added"] is False
         await backward(kit, client, b, 0, 3)
-        await until(lambda: all(p.service.records for p in (a, b)))
+        await until(lambda: all(p.service.records for p in (a, b)), 10.0, "all(p.service.records for p in (a, b))")
         record = a.service.records[-1]
         assert record.samples == spec.batch.global_samples and record.members == 2
         assert record.summed_duplicates == 0 and record.dropped_repeats == 1
@@ -96,10 +86,10 @@ async def test_overlapping_sums_are_never_both_summed(kit, client):
             await backward(kit, client, a, 0, m)
         for m in (2, 3):
             assert (await backward(kit, client, b, 0, m)).meta["added"] is True
-        await until(lambda: a.service.sync.missing == [3])
+        await until(lambda: a.service.sync.missing == [3], 10.0, "a.service.sync.missing == [3]")
         assert b.service.accumulator.progress(0).ids == frozenset()
         assert (await backward(kit, client, b, 0, 3)).meta["added"] is True
-        await until(lambda: all(p.service.records for p in (a, b)))
+        await until(lambda: all(p.service.records for p in (a, b)), 10.0, "all(p.service.records for p in (a, b))")
         record = a.service.records[-1]
         assert record.samples == spec.batch.global_samples and record.summed_duplicates == 0
         assert_reference(spec, a, (0, 1, 2, 3))
@@ -120,9 +110,9 @@ async def test_a_peer_that_missed_commits_downloads_the_state_of_a_mate_ahead(ki
     try:
         for step in (0, 1):
             await asyncio.gather(*(backward(kit, client, a, step, m) for m in range(4)))
-            await until(lambda: a.service.committed > step)
-        await until(lambda: b.service.committed == 2)
-        await until(lambda: b.service.state == "serving")
+            await until(lambda: a.service.committed > step, 10.0, "a.service.committed > step")
+        await until(lambda: b.service.committed == 2, 10.0, "b.service.committed == 2")
+        await until(lambda: b.service.state == "serving", 10.0, "b.service.state == 'serving'")
         for p, q in zip(b.service.stage.parameters(), a.service.stage.parameters()):
             assert torch.equal(p, q)
         assert b.service.opt.lr == a.service.opt.lr
@@ -143,7 +133,7 @@ async def test_a_caller_that_gives_up_while_queued_leaves_no_claim(kit, client):
         try:
             x, _ = inputs(0, 0)
             filler = asyncio.create_task(kit.call(client, peer, "stage.forward", STAGE, 0, 0, [x]))
-            await until(lambda: peer.service.executor.depth == 1)  # the worker holds it, blocked
+            await until(lambda: peer.service.executor.depth == 1, 10.0, "the worker to hold it, blocked")
             with pytest.raises(DeadlineExceeded):
                 await backward(kit, client, peer, 0, 1, timeout=0.3)
         finally:
@@ -180,9 +170,9 @@ async def test_stopping_answers_queued_calls_busy(kit, client):
     blocker.__enter__()
     try:
         first = asyncio.create_task(backward(kit, client, peer, 0, 0))
-        await until(lambda: peer.service.executor.depth == 1)
+        await until(lambda: peer.service.executor.depth == 1, 10.0, "peer.service.executor.depth == 1")
         queued = asyncio.create_task(backward(kit, client, peer, 0, 1))
-        await until(lambda: peer.service.executor.depth == 2)
+        await until(lambda: peer.service.executor.depth == 2, 10.0, "peer.service.executor.depth == 2")
         stopping = asyncio.create_task(peer.service.stop())
         for task in (first, queued):
             with pytest.raises(RemoteError) as info:
@@ -213,7 +203,7 @@ async def test_a_non_finite_reduced_gradient_skips_the_update_but_commits(kit, c
         assert peer.service.core.admit(0.0, 0, 0) == Admission.ACCUMULATE
         peer.service.accumulator.add(0, [0], B, poison)
         await asyncio.gather(*(backward(kit, client, peer, 0, m) for m in (1, 2, 3)))
-        await until(lambda: peer.service.records)
+        await until(lambda: peer.service.records, 10.0, "peer.service.records")
         assert peer.service.committed == 1 and peer.service.records[-1].grad_norm == float("inf")
         for p, q in zip(peer.service.stage.parameters(), before):
             assert torch.equal(p, q)
@@ -256,14 +246,14 @@ async def test_a_slow_mate_keeps_its_ids_out_of_missing_for_the_grace_period(kit
         async def info():
             return (await client.call(a.addr, "stage.info", Message(kit.meta(STAGE)), timeout=5)).meta
 
-        await until(lambda: a.service.sync.uncovered == [3])
+        await until(lambda: a.service.sync.uncovered == [3], 10.0, "a.service.sync.uncovered == [3]")
         router.slow = True
         slow_since = asyncio.get_running_loop().time()
-        await until(lambda: a.service.core.mate_slow())
+        await until(lambda: a.service.core.mate_slow(), 10.0, "a.service.core.mate_slow()")
         meta = await info()
         assert meta["missing"] == [] and meta["uncovered"] == [3]
         assert asyncio.get_running_loop().time() - slow_since < 1.5
-        await until(lambda: a.service.sync.missing == [2], timeout=5)
+        await until(lambda: a.service.sync.missing == [2], 5, "a.service.sync.missing == [2]")
         assert asyncio.get_running_loop().time() - slow_since >= 1.5
         assert (await info())["missing"] == [2]
     finally:

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from stageref import reference_stage
+from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
-from swarmd.model import build_stage
-from swarmd.optim import StageOptimizer
 from transport.errors import DeadlineExceeded, RemoteError
 from transport.rpc import Message
 
@@ -30,23 +30,9 @@ async def backward(kit, client, peer, step, m, timeout=10.0):
                           timeout=timeout)
 
 
-async def until(predicate, timeout=15.0):
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 def reference(spec, steps):
     """A single-process stage that applied every microbatch of each step once."""
-    ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
-    opt = StageOptimizer(ref, spec.optim, spec.steps)
-    for step in range(steps):
-        for m in range(4):
-            x, gy = inputs(step, m)
-            ref(x).backward(gy)
-        opt.step(spec.batch.global_samples)
-        opt.optimizer.zero_grad(set_to_none=True)
-    return ref
+    return reference_stage(spec, STAGE, 3, steps, inputs)
 
 
 def assert_equal_to(ref, *peers):
@@ -77,12 +63,12 @@ async def test_a_reply_after_the_callers_timeout_is_not_summed_again_by_the_retr
     try:
         with pytest.raises(DeadlineExceeded):
             await backward(kit, client, a, 0, 0, timeout=0.5)
-        await until(lambda: any(0 in m.ids for m in b.service.core._mates.values()))
+        await until(lambda: any(0 in m.ids for m in b.service.core._mates.values()), 15.0, "B to see mb 0 at a mate")
         retry = await backward(kit, client, b, 0, 0)
         assert retry.meta["added"] is False
         for m in (1, 2, 3):
             await backward(kit, client, b if m % 2 else a, 0, m)
-        await until(lambda: all(p.service.committed == 1 for p in (a, b)))
+        await until(lambda: all(p.service.committed == 1 for p in (a, b)), 15.0, "A and B to commit step 0")
         record = a.service.records[-1]
         assert record.samples == spec.batch.global_samples and record.summed_duplicates == 0
         assert_equal_to(reference(spec, 1), a, b)
@@ -110,12 +96,12 @@ async def test_a_failed_compute_whose_caller_left_releases_its_claim(kit, client
     try:
         with pytest.raises(DeadlineExceeded):
             await backward(kit, client, peer, 0, 0, timeout=0.3)
-        await until(lambda: 0 not in peer.service.core.claimed(0))
+        await until(lambda: 0 not in peer.service.core.claimed(0), 15.0, "0 not in peer.service.core.claimed(0)")
         again = await backward(kit, client, peer, 0, 0)
         assert again.meta["duplicate"] is False and again.meta["added"] is True
         for m in (1, 2, 3):
             await backward(kit, client, peer, 0, m)
-        await until(lambda: peer.service.committed == 1)
+        await until(lambda: peer.service.committed == 1, 15.0, "peer.service.committed == 1")
         assert_equal_to(reference(spec, 1), peer)
     finally:
         await peer.close()
@@ -138,15 +124,15 @@ async def test_split_views_that_heal_end_with_one_state_on_every_peer(kit, clien
         for m in range(4):
             await backward(kit, client, a, 0, m)
             await backward(kit, client, c, 0, m)
-        await until(lambda: all(p.service.committed == 1 for p in peers))
+        await until(lambda: all(p.service.committed == 1 for p in peers), 15.0, "every peer to commit step 0")
         assert a.service.digest == b.service.digest != c.service.digest
         everyone = [StagePeer(p.service.peer_id, p.addr, STAGE) for p in peers]
         left.set(kit.JOB, STAGE, everyone)
         right.set(kit.JOB, STAGE, everyone)
-        await until(lambda: c.service.digest == a.service.digest)
+        await until(lambda: c.service.digest == a.service.digest, 15.0, "c.service.digest == a.service.digest")
         for m in range(4):
             await backward(kit, client, a, 1, m)
-        await until(lambda: all(p.service.committed == 2 for p in peers))
+        await until(lambda: all(p.service.committed == 2 for p in peers), 15.0, "every peer to commit step 1")
         assert len({p.service.digest for p in peers}) == 1
         for p in (b, c):
             for x, y in zip(a.service.stage.parameters(), p.service.stage.parameters()):
@@ -177,10 +163,10 @@ async def test_a_mate_with_a_slow_uplink_is_benched_and_its_share_resent(kit, cl
     try:
         for m in range(4):
             await backward(kit, client, a if m % 2 else b, 0, m)
-        await until(lambda: a.service.sync.missing == [0, 2], timeout=6 * kit.FAST.round_timeout_s)
+        await until(lambda: a.service.sync.missing == [0, 2], 6 * kit.FAST.round_timeout_s, "A to miss mbs 0 and 2")
         for m in (0, 2):
             await backward(kit, client, a, 0, m)
-        await until(lambda: a.service.committed == 1 and b.service.committed == 1, timeout=30)
+        await until(lambda: a.service.committed == 1 and b.service.committed == 1, 30, "A and B to commit step 0")
         assert a.service.records[-1].members == 1
         assert b.service.digest == a.service.digest
         assert_equal_to(reference(spec, 1), a, b)
@@ -203,7 +189,7 @@ async def test_a_call_for_the_step_just_committed_is_answered_on_its_parameters(
         first = await backward(kit, client, peer, 0, 0)
         for m in (1, 2, 3):
             await backward(kit, client, peer, 0, m)
-        await until(lambda: peer.service.committed == 1)
+        await until(lambda: peer.service.committed == 1, 15.0, "peer.service.committed == 1")
         y = await kit.call(client, peer, "stage.forward", STAGE, 0, 0, [x])
         again = await backward(kit, client, peer, 0, 0)
         assert y.meta["replayed"] is True and torch.equal(y.tensors[0], before_y)
@@ -212,7 +198,7 @@ async def test_a_call_for_the_step_just_committed_is_answered_on_its_parameters(
         assert peer.service.accumulator.progress(0).ids == frozenset()
         for m in range(4):
             await backward(kit, client, peer, 1, m)
-        await until(lambda: peer.service.committed == 2)
+        await until(lambda: peer.service.committed == 2, 15.0, "peer.service.committed == 2")
         with pytest.raises(RemoteError) as stale:
             await backward(kit, client, peer, 0, 0)
         assert stale.value.code == "stale_step"
@@ -237,7 +223,7 @@ async def test_a_backward_tagged_with_its_forwards_version_recomputes_on_those_p
         before(x_ref).backward(gy)
         for m in range(4):
             await backward(kit, client, peer, 0, m)
-        await until(lambda: peer.service.committed == 1)
+        await until(lambda: peer.service.committed == 1, 15.0, "peer.service.committed == 1")
         meta = {**kit.call_meta(STAGE, 1, 4, B), "version": 0}
         tagged = await client.call(peer.addr, "stage.backward", Message(meta, [x, gy], codec="none"), timeout=10)
         assert tagged.meta["version"] == 0 and tagged.meta["added"] is True

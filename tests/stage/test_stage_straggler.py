@@ -8,49 +8,21 @@ import asyncio
 import time
 
 import torch
+from jobspec import job_spec
+from stageref import reference_stage
 
 from swarmd.directory import StaticDirectory
 from swarmd.job import parse_toml
 from swarmd.model import build_stage
-from swarmd.optim import StageOptimizer
 from swarmd.stage import StageLimits
 
 STAGE = 1
 D = 96  # 111,840 parameters: 447 KB of fp32 gradient, parts of a third of it are measured (>= 64 KiB)
 B, T = 2, 16
-SPEC = f"""
-name = "straggler-test"
-seed = 5
-steps = 20
-
-[model]
-arch = "transformer-lm"
-d_model = {D}
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["unused.txt"]
-seq_len = {T}
-
-[batch]
-global_samples = 8
-microbatch_samples = 2
-
-[optim]
-name = "sgd"
-lr = 0.05
-momentum = 0.9
-schedule = "constant"
-clip_norm = 0.0
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = 3
-"""
+#: Three stages of TINY_JOB's model, D wide with four heads, without clipping, tensors uncompressed.
+SPEC = job_spec("straggler-test", seed=5, steps=20, files=["unused.txt"], model={"d_model": D, "n_heads": 4},
+                data={"seq_len": T}, batch={"global_samples": 8}, optim={"momentum": 0.9, "clip_norm": 0.0},
+                wire={"activations": "none", "gradients": "none"}, pipeline={"stages": 3})
 CAP_S = 3.0  # round_timeout_s: the cap of each phase's deadline (of the whole round, before)
 # allreduce_codec "none": the survivors are compared with the fp32 reference at 1e-5.
 LIMITS = StageLimits(sync_interval_s=0.02, progress_timeout_s=1.0, round_timeout_s=CAP_S, max_wait_s=5.0,
@@ -63,15 +35,8 @@ def inputs(step, m):
 
 
 def reference(spec, steps):
-    ref = build_stage(spec.model.config, STAGE, 3, spec.seed)
-    opt = StageOptimizer(ref, spec.optim, spec.steps)
-    for step in range(steps):
-        for m in range(4):
-            x, gy = inputs(step, m)
-            ref(x).backward(gy)
-        opt.step(spec.batch.global_samples)
-        opt.optimizer.zero_grad(set_to_none=True)
-    return ref
+    """A single-process stage that applied every microbatch of each step once."""
+    return reference_stage(spec, STAGE, 3, steps, inputs)
 
 
 def shape_uplink(peer, rate: float) -> list[float]:

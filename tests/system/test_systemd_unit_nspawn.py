@@ -11,9 +11,11 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
+from jobspec import job_spec
+from waiting import wait_for
 
 sys.path.insert(0, str(Path(__file__).parent))
 import nspawn  # noqa: E402
@@ -47,14 +49,6 @@ def swarm() -> Iterator[nspawn.Swarm]:
         yield booted
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout: float, detail: Callable[[], str] = str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s\n{detail()}")
-        time.sleep(0.5)
-
-
 def props(c: nspawn.Container) -> dict[str, str]:
     return c.show(SERVICE, "ActiveState", "SubState", "MainPID", "NRestarts", "Result", "ExecMainStatus",
                   "TimeoutStopUSec", "WatchdogUSec")
@@ -68,7 +62,8 @@ def wait_active(c: nspawn.Container, timeout: float = START_TIMEOUT_S, *, not_pi
         state.update(props(c))
         return state["ActiveState"] == "active" and state["MainPID"] not in ("0", not_pid)
 
-    wait_for(f"{c.name}: {SERVICE} active", active, timeout, lambda: f"{state}\n{c.journal(SERVICE)}")
+    wait_for(active, timeout, f"{c.name}: {SERVICE} active", interval=0.5,
+             detail=lambda: f"{state}\n{c.journal(SERVICE)}")
     return state
 
 
@@ -91,7 +86,8 @@ def wait_joined(swarm: nspawn.Swarm) -> None:
             seen.update(alive_peers(c))
             return others <= seen
 
-        wait_for(f"{c.name} sees {sorted(others)}", sees_all, JOIN_TIMEOUT_S, lambda: f"it sees {sorted(seen)}")
+        wait_for(sees_all, JOIN_TIMEOUT_S, f"{c.name} sees {sorted(others)}", interval=0.5,
+                 detail=lambda: f"it sees {sorted(seen)}")
 
 
 TIMESPAN_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
@@ -170,28 +166,8 @@ def test_peers_find_each_other_over_the_bridge(swarm: nspawn.Swarm) -> None:
 
 #: A two-stage byte-level LM small enough that the job adds seconds, not minutes, to the run. Its
 #: data is the container's own Python standard library (`{stdlib}`), readable by the swarmd user.
-JOB_SPEC = """name = "system-job"
-seed = 5
-steps = 20
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 2
-layers_per_stage = 1
-vocab = 256
-[data]
-files = ["{stdlib}/json/*.py"]
-seq_len = 32
-[batch]
-global_samples = 8
-microbatch_samples = 2
-[optim]
-name = "adamw"
-lr = 1e-2
-schedule = "constant"
-[pipeline]
-stages = 2
-"""
+JOB_SPEC = job_spec("system-job", seed=5, steps=20, files=["{stdlib}/json/*.py"], data={"seq_len": 32},
+                    batch={"global_samples": 8}, optim={"name": "adamw", "lr": 1e-2}, pipeline={"stages": 2})
 JOB_TIMEOUT_S = 180.0
 #: A daemon that has not read the job's record from the DHT yet answers `serve` with not_found.
 SERVE_TIMEOUT_S = 60.0
@@ -199,15 +175,14 @@ SERVE_TIMEOUT_S = 60.0
 
 def serve(c: nspawn.Container, job: str, stage: int) -> None:
     """`swarmctl serve JOB --stage I` in the container, retried while its daemon has not seen the job."""
-    deadline = time.monotonic() + SERVE_TIMEOUT_S
-    while True:
-        done = c.run("swarmctl", "serve", job, "--stage", str(stage), check=False, timeout=60)
-        if done.returncode == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{c.name}: swarmctl serve {job} --stage {stage}: exit {done.returncode}\n"
-                                 f"{done.stdout}{done.stderr}\n{c.journal(SERVICE)}")
-        time.sleep(1.0)
+    tried = []
+
+    def served() -> bool:
+        tried[:] = [c.run("swarmctl", "serve", job, "--stage", str(stage), check=False, timeout=60)]
+        return tried[0].returncode == 0
+
+    wait_for(served, SERVE_TIMEOUT_S, f"{c.name}: swarmctl serve {job} --stage {stage}", interval=1.0,
+             detail=lambda: f"exit {tried[0].returncode}\n{tried[0].stdout}{tried[0].stderr}\n{c.journal(SERVICE)}")
 
 
 def test_a_job_trains_across_the_containers(swarm: nspawn.Swarm) -> None:
@@ -225,8 +200,8 @@ def test_a_job_trains_across_the_containers(swarm: nspawn.Swarm) -> None:
         view.update(swarmctl(a, "job", job))
         return view["state"] in ("done", "failed", "cancelled")
 
-    wait_for("the job's last step", finished, JOB_TIMEOUT_S,
-             lambda: f"{view}\n{a.journal(SERVICE)}\n{b.journal(SERVICE)}\n{c.journal(SERVICE)}")
+    wait_for(finished, JOB_TIMEOUT_S, "the job's last step", interval=0.5,
+             detail=lambda: f"{view}\n{a.journal(SERVICE)}\n{b.journal(SERVICE)}\n{c.journal(SERVICE)}")
     assert (view["state"], view["step"]) == ("done", 20), view
     # Daemons may also join stages on their own (jobs.serve); the ones pinned here must be there.
     stage_hosts = [{p["address"] for p in s["peers"]} for s in view["stages"]]
@@ -244,8 +219,8 @@ def test_reload_changes_log_level_in_place(swarm: nspawn.Swarm) -> None:
     c.write(config, original + '[log]\nlevel = "debug"\n')
     try:
         c.run("systemctl", "reload", SERVICE)
-        wait_for("ExecReload's SIGHUP applied", lambda: "log level is now debug" in c.journal(SERVICE), 30,
-                 lambda: c.journal(SERVICE))
+        wait_for(lambda: "log level is now debug" in c.journal(SERVICE), 30, "ExecReload's SIGHUP applied",
+                 interval=0.5, detail=lambda: c.journal(SERVICE))
     finally:
         c.write(config, original)
         c.run("systemctl", "reload", SERVICE)

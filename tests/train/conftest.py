@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from jobspec import job_spec
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import load_spec, open_training_data
@@ -15,50 +16,17 @@ from transport.rpc import Pool, Router, RpcServer
 
 torch.set_num_threads(1)
 
-TINY_JOB = """
-name = "tiny-train"
-seed = 5
-steps = {steps}
-
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
-
-[data]
-files = ["{{stdlib}}/json/*.py"]
-seq_len = 16
-
-[batch]
-global_samples = {global_samples}
-microbatch_samples = {microbatch_samples}
-
-[optim]
-name = "{optim}"
-lr = {lr}
-momentum = 0.9
-weight_decay = 0.01
-schedule = "constant"
-clip_norm = 1.0
-
-[wire]
-activations = "none"
-gradients = "none"
-
-[pipeline]
-stages = {stages}
-microbatches_in_flight = {in_flight}
-delayed_updates = {delayed}
-"""
-
-
 def write_job(tmp_path, *, steps=5, optim="sgd", lr=0.1, stages=3, global_samples=16, microbatch_samples=4,
               in_flight=2, delayed=False):
+    """TINY_JOB's model four heads wide on the stdlib's json package (`{stdlib}`), tensors shipped
+    uncompressed; its spec and training data."""
     path = tmp_path / "job.toml"
-    path.write_text(TINY_JOB.format(steps=steps, optim=optim, lr=lr, stages=stages, global_samples=global_samples,
-                                    microbatch_samples=microbatch_samples, in_flight=in_flight,
-                                    delayed=str(delayed).lower()))
+    path.write_text(job_spec("tiny-train", seed=5, steps=steps, files=["{stdlib}/json/*.py"], model={"n_heads": 4},
+                             batch={"global_samples": global_samples, "microbatch_samples": microbatch_samples},
+                             optim={"name": optim, "lr": lr, "momentum": 0.9, "weight_decay": 0.01, "clip_norm": 1.0},
+                             wire={"activations": "none", "gradients": "none"},
+                             pipeline={"stages": stages, "microbatches_in_flight": in_flight,
+                                       "delayed_updates": delayed}))
     spec = load_spec(path)
     data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, tmp_path)
     return spec, data

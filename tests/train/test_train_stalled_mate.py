@@ -9,6 +9,8 @@ import collections
 import dataclasses
 import time
 
+from waiting import until
+
 from swarmd.reference import ReferenceTrainer
 from swarmd.train.events import StepEvent
 from swarmd.train.trainer import Trainer
@@ -123,8 +125,6 @@ async def test_a_stalled_mate_does_not_set_the_stage_pace(tiny_job, swarm, pools
 
     reference = ReferenceTrainer(spec, data)
     reference.train(STEPS)
-    deadline = time.monotonic() + 20
-    while stalled.service.committed != STEPS:  # it catches up by download once it runs
-        assert time.monotonic() < deadline, stalled.service.committed
-        await asyncio.sleep(0.05)
+    await until(lambda: stalled.service.committed == STEPS, 20, "the stalled peer to catch up by download once it runs",
+                interval=0.05, detail=lambda: f"it committed {stalled.service.committed}")
     assert kit.max_relative_difference(swarm_, reference) <= 1e-5

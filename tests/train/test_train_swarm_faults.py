@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from waiting import until
 
 from swarmd.directory import StagePeer
 from swarmd.reference import ReferenceTrainer
@@ -69,11 +70,8 @@ async def close_a_peer_mid_step(spec, data, swarm_, pools, kit, after_mate_saw: 
                 assert samples in (-1, G), e
     # A trainer moves on once the stage reports the commit; a mate may apply it a moment later.
     live = [peer for peer in swarm_.peers if not peer.closed]
-    for _ in range(100):
-        if all(peer.service.committed == 5 for peer in live):
-            break
-        await asyncio.sleep(0.1)
-    assert [peer.service.committed for peer in live] == [5] * len(live)
+    await until(lambda: all(peer.service.committed == 5 for peer in live), 10, "every live peer to apply step 5",
+                interval=0.1, detail=lambda: f"committed: {[peer.service.committed for peer in live]}")
     if all(d == 0 for d in duplicates.values()):
         reference = ReferenceTrainer(spec, data)
         reference.train(5)

@@ -17,6 +17,7 @@ from transport.rpc import Message, Pool, Request, Router, RpcConfig, RpcServer
 from transport.traffic import Traffic
 
 from tcp_relay import Relay
+from waiting import until
 
 torch.set_num_threads(1)
 
@@ -27,14 +28,6 @@ SETTLE_S = 20.0
 
 async def echo(req: Request) -> Message:
     return Message(dict(req.meta), req.tensors, codec="none")
-
-
-async def settled(check) -> None:
-    """Wait until `check()` holds: the last bytes may still sit in a kernel buffer."""
-    deadline = asyncio.get_running_loop().time() + SETTLE_S
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "traffic counters never settled"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
@@ -54,8 +47,10 @@ async def test_both_ends_count_exactly_the_bytes_that_crossed(encrypt: bool) -> 
             reply = await pool.call(relay.address, "echo", Message({}, [big], codec="none"), timeout=30)
             assert torch.equal(reply.tensors[0], big)
 
-            await settled(lambda: client_traffic.sent_bytes == relay.to_server == server_traffic.received_bytes
-                          and server_traffic.sent_bytes == relay.to_client == client_traffic.received_bytes)
+            # The last bytes may still sit in a kernel buffer.
+            await until(lambda: client_traffic.sent_bytes == relay.to_server == server_traffic.received_bytes
+                        and server_traffic.sent_bytes == relay.to_client == client_traffic.received_bytes,
+                        SETTLE_S, "the traffic counters to settle")
             assert client_traffic.sent_bytes > big.numel() * 4
             assert server_traffic.sent_bytes > big.numel() * 4
             await pool.close()

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import statistics
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
-from netns_link import WAN_MARKS, wan_link  # noqa: E402
+from netns_link import WAN_MARKS, wan_link
 
 # Rates and round trips through a userspace delay line: a second test worker's load would skew them.
 pytestmark = [*WAN_MARKS, pytest.mark.serial]

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
-from netns_link import REPO, wan_link  # noqa: E402
-
-
-def _delay_line():
-    spec = importlib.util.spec_from_file_location("swarmd_bench_delay_line", REPO / "bench" / "delay_line.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmod import load_bench
+from netns_link import wan_link
 
 
-delay_line = _delay_line()
+delay_line = load_bench("delay_line.py")
 
 
 def test_a_port_is_a_name_and_a_delay_in_ms():
