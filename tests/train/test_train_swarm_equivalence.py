@@ -5,9 +5,11 @@ STAGE_LIMITS: allreduce_codec "none") except where a test says otherwise."""
 import asyncio
 import dataclasses
 import math
+import threading
 
 import pytest
 import torch
+from waiting import until
 
 from swarmd.reference import ReferenceTrainer
 from swarmd.stage import StageLimits
@@ -139,25 +141,49 @@ async def test_one_trainer_reports_the_global_loss(tiny_job, swarm, pools, kit):
     assert [e.step for e in await asyncio.wait_for(late.run(stop_step=3), 30)] == [2]
 
 
+class GatedData:
+    """The training data, whose microbatches of `step` and later are handed out only once `gate`
+    is set (read in a thread, `asyncio.to_thread`, so the event loop runs on meanwhile)."""
+
+    def __init__(self, data, step: int, gate: threading.Event) -> None:
+        self._data, self._step, self._gate = data, step, gate
+
+    def microbatch(self, step: int, index: int):
+        if step >= self._step:
+            assert self._gate.wait(60), "the gate was never opened"
+        return self._data.microbatch(step, index)
+
+    def __getattr__(self, name: str):
+        return getattr(self._data, name)
+
+
 async def test_a_peer_announced_mid_run_is_found_and_used(tiny_job, swarm, pools, kit):
     """Steps: 2 stages × 1 peer, one trainer, 12 steps in one `run`; after step 1 commits, a second
-    peer of stage 0 starts (downloading the stage's state from its mate) and is announced.
-    Expected: the trainer's background refresher finds it within `refresh_s`, the wiring sends it
-    work (the trainer measured its speed), it commits every remaining step with its mate, and all
-    12 losses and the final parameters still equal the reference's."""
+    peer of stage 0 starts (downloading the stage's state from its mate) and is announced; step 2
+    waits until the trainer knows it (a step takes tens of milliseconds here, and the whole run
+    could end before the refresher's first read). Expected: the trainer's background refresher
+    finds it within a few `refresh_s`, the wiring sends it work (the trainer measured its speed),
+    it commits every remaining step with its mate, and all 12 losses and the final parameters
+    still equal the reference's."""
     spec, data = tiny_job(optim="sgd", lr=0.1, stages=2, steps=12)
     swarm_ = await swarm(spec, peers_per_stage=1)
     committed = asyncio.Event()
+    gate = threading.Event()
 
     def on_event(event):
         if getattr(event, "step", -1) == 1:
             committed.set()
 
-    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=kit.TRAINER_CONFIG,
-                      on_event=on_event)
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], GatedData(data, 2, gate),
+                      config=kit.TRAINER_CONFIG, on_event=on_event)
     task = asyncio.create_task(trainer.run(0, 12))
-    await asyncio.wait_for(committed.wait(), 30)
-    newcomer = await swarm_.add_peer(0, b"\x99" * 32)
+    try:
+        await asyncio.wait_for(committed.wait(), 30)
+        newcomer = await swarm_.add_peer(0, b"\x99" * 32)
+        await until(lambda: trainer.wiring[0].peer_count == 2, 10 * kit.TRAINER_CONFIG.refresh_s,
+                    "the trainer's refresher to find the newcomer")
+    finally:
+        gate.set()
     events = await asyncio.wait_for(task, 60)
     assert [e.step for e in events] == list(range(12))
     # Found: some step counted it usable. (It may be withheld by the end: in one process its
