@@ -15,8 +15,10 @@ The model (`step_seconds`) is square_cube.py's closed-pipeline overlap model wid
 step: a microbatch is a chain of 2S-1 RPCs (forwards, the last stage's forward+backward, backwards),
 each costing one RTT on top of its work; with k in flight, the step's microbatch phase is the larger
 of ceil(M/k) chains and the busiest resource's M services plus the pipeline's fill (one chain); then
-every stage's commit is polled, one stage.info round trip per stage in turn, after the commit's own
-work. Its three constants are measured in this run at RTT 0, where no latency hides anything: the
+the commit (`commit_seconds`): the trainer long-polls every stage (stage.info with until_step), and
+a peer answers when it commits, or at once when it committed before the poll reached it, so the
+trainer sees the commit the larger of the commit's own time and one RTT after its last reply. Its
+three constants are measured in this run at RTT 0, where no latency hides anything: the
 chain's work, the busiest resource's time per microbatch and the commit's, the values that fit
 the RTT-0 steps at every k best (`calibrate`). Each RTT's points are measured right after a block
 of RTT-0 points of their own and predicted from those: on a machine shared with other work the
@@ -94,14 +96,23 @@ def predict(cal: Calibration, rtt_s: float, in_flight: int, microbatches: int, s
 
 
 def step_seconds(cal: Calibration, rtt_s: float, in_flight: int, microbatches: int, stages: int) -> float:
-    """A step: the microbatch phase, then the commit polls. In the phase, each of ceil(M/k) rounds of
+    """A step: the microbatch phase, then the commit. In the phase, each of ceil(M/k) rounds of
     k microbatches costs a chain; and however many are in flight, the busiest resource serves the M
     microbatches one after another, the first of them only after a whole chain (the pipeline's fill),
     hence M×busy + chain - busy."""
     chain = cal.chain_s + (2 * stages - 1) * rtt_s
     fill_and_serve = microbatches * cal.busy_s + chain - cal.busy_s
     phase = max(fill_and_serve, math.ceil(microbatches / in_flight) * chain)
-    return phase + cal.commit_s + stages * rtt_s
+    return phase + commit_seconds(cal, rtt_s)
+
+
+def commit_seconds(cal: Calibration, rtt_s: float) -> float:
+    """From the trainer's last reply of a step to its seeing every stage's commit. Stage 0 commits
+    last: it had the last backward half an RTT before the trainer had its reply, and commits
+    `commit_s` after it (the stage's sync tick, its optimizer step); the trainer's long-poll reaches
+    it half an RTT after that reply and is answered at the commit, or at once if the commit came
+    first; the answer takes half an RTT back. Hence max(commit_s - RTT/2, RTT/2) + RTT/2."""
+    return max(cal.commit_s, rtt_s)
 
 
 def calibrate(zero: dict[int, float], microbatches: int, stages: int, global_samples: int) -> Calibration:

@@ -28,14 +28,20 @@ dht = _load("swarmd_bench_dht", "dht.py")
 
 def test_one_in_flight_pays_every_round_trip_of_every_microbatch():
     cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.05)
-    # 16 microbatches x (0.01 + 3 RPCs x 0.1) + 0.05 + 2 stage.info round trips
-    assert wp.step_seconds(cal, 0.1, 1, 16, 2) == pytest.approx(16 * 0.31 + 0.05 + 0.2)
+    # 16 microbatches x (0.01 + 3 RPCs x 0.1), then the commit: seen one RTT (0.1) after the last
+    # reply, since the stage committed (0.05 after the last backward) before the long-poll got there
+    assert wp.step_seconds(cal, 0.1, 1, 16, 2) == pytest.approx(16 * 0.31 + 0.1)
+
+
+def test_the_commit_is_seen_at_its_own_time_or_one_round_trip_whichever_is_later():
+    cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.12)
+    assert [wp.commit_seconds(cal, rtt) for rtt in (0.0, 0.05, 0.1, 0.2)] == [0.12, 0.12, 0.12, 0.2]
 
 
 def test_all_in_flight_pay_one_chain_and_the_busiest_resource():
     cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.05)
     chain = 0.01 + 3 * 0.1
-    assert wp.step_seconds(cal, 0.1, 16, 16, 2) == pytest.approx(16 * 0.002 + chain - 0.002 + 0.05 + 0.2)
+    assert wp.step_seconds(cal, 0.1, 16, 16, 2) == pytest.approx(16 * 0.002 + chain - 0.002 + 0.1)
     # compute-bound: with a slow stage, in-flight count no longer matters past the fill
     slow = wp.Calibration(chain_s=0.01, busy_s=0.5, commit_s=0.0)
     assert wp.step_seconds(slow, 0.0, 4, 16, 2) == wp.step_seconds(slow, 0.0, 16, 16, 2)
