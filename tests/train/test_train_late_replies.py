@@ -10,7 +10,6 @@ import threading
 import time
 
 import torch
-from waiting import until
 
 from swarmd.model import build_stage
 from swarmd.reference import ReferenceTrainer
@@ -79,6 +78,7 @@ async def test_a_timed_out_call_is_retried_on_the_same_peer_first_and_its_answer
     assert all(e.answers_lost == 0 and e.stage_samples == (8, 8) and e.duplicates == (0, 0) for e in events)
     reference = ReferenceTrainer(spec, data)
     reference.train(3)
+    await kit.all_committed(swarm_, 3)
     assert kit.max_relative_difference(swarm_, reference) <= 1e-5
 
 
@@ -106,9 +106,7 @@ async def test_a_trainer_that_never_comes_has_its_share_taken_over(tiny_job, swa
     ref_losses = [r.loss for r in reference.train(3)]
     for e, want in zip(events, ref_losses):
         assert abs(e.global_loss - want) <= 1e-5 * want  # it did every microbatch: it knows the loss
-    # The trainer moves on once a stage's voting peers committed; a peer that held none of the
-    # last step's microbatches (no round member) catches up by download a moment later.
-    await until(lambda: all(peer.service.committed == 3 for peer in swarm_.peers), 10, "every peer at step 3")
+    await kit.all_committed(swarm_, 3)
     worst = kit.max_relative_difference(swarm_, reference)
     print(f"max relative difference to the reference {worst:.2e}")
     assert worst <= 1e-5
