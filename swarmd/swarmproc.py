@@ -426,9 +426,13 @@ def close_all() -> None:
 def install_signal_handlers(signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) -> None:
     """On each signal: tear every swarm down, then do what was done before (Ctrl-C still raises
     KeyboardInterrupt; SIGTERM's default still ends the process, with its usual status).
-    Main thread only, as Python requires of signal handlers."""
+    A signal this process ignores stays ignored: a shell starts a background job (`make demo &`)
+    with SIGINT ignored, and a handler there would tear the swarm down on a Ctrl-C meant for the
+    foreground while the program went on without it. Main thread only, as Python requires."""
     for sig in signals:
         previous = signal.getsignal(sig)
+        if previous == signal.SIG_IGN:
+            continue
         signal.signal(sig, _chain(sig, previous))
 
 

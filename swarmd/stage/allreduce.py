@@ -131,11 +131,16 @@ class RoundBox:
     created: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
     def __post_init__(self) -> None:
+        # Built on the event loop (a round's first part may open it), so its buffers are left
+        # uninitialised: zeroing the whole model's vector and a shard per member is a memset of
+        # gigabytes at 200M parameters, while `empty` only maps pages. Nothing reads an element
+        # before it was written: `_place` writes each exactly once, in order, and the readers wait
+        # for full counts (`prompt`, `gathered_ready`).
         self.bounds = shard_bounds(self.numel, self.owners)
         lo, hi = self.bounds[self.me]
-        self.parts = {src: torch.zeros(hi - lo) for src in range(len(self.members))}
+        self.parts = {src: torch.empty(hi - lo) for src in range(len(self.members))}
         self.received = {src: 0 for src in range(len(self.members))}
-        self.full = torch.zeros(self.numel)
+        self.full = torch.empty(self.numel)
         self.gathered = {src: 0 for src in range(len(self.members))}
 
     def put_part(self, src: int, offset: int, part: torch.Tensor, contribution: Contribution | None) -> None:

@@ -29,7 +29,7 @@ from swarmd.job import JobSpec
 from swarmd.model.init import build_initial_stage
 from swarmd.model.precision import LossScaler, Precision
 from swarmd.optim import NonFiniteGradient, StageOptimizer, StepReport
-from swarmd.stage import checkpoint as ckpt
+import swarmd.stage.checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
 from swarmd.stage.compute import (BACKWARD, EVALUATE, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous,
                                   StageCompute, Work)

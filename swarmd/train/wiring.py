@@ -17,12 +17,13 @@ long stall cannot make a peer look 75x slower for hundreds of picks (the paper's
 whole elapsed time); the estimate recovers with the next replies. A peer that times out
 `bench_after` times in a row is benched (left out of picks) for `bench_initial_s`, doubling with
 each further timeout up to `bench_max_s`; when the bench lifts the next call probes it, and one
-reply clears its record. A peer far slower than its stage's fastest (`slow_factor`) is withheld
-from picks while that one is usable, except one probe call every `slow_probe_s` whose reply
-replaces its estimate: a stage's step waits for its slowest member's share and all-reduce part, so
-routing it even a little work costs every step more than its compute adds. Slowness is judged on
-the median of a peer's last `slow_window` replies, once it has that many, so a newcomer's cold
-first call does not withhold it. `busy` charges the
+reply clears its record. A peer far slower than its stage's pace (`slow_factor` times the lower
+median of its peers' rates) is withheld from picks, except probe calls whose reply replaces its
+estimate: a stage's step waits for its slowest member's share and all-reduce part, so routing it even a little
+work costs every step more than its compute adds. Slowness is judged on the median of a peer's
+last `slow_window` replies, once it has that many; the first probe comes `slow_probe_first_s`
+after a peer is withheld, the gap doubling to `slow_probe_s`, so a newcomer withheld for its cold
+first calls is soon back, and a peer slow for good costs a probe every `slow_probe_s`. `busy` charges the
 peer one more request and reroutes; a connection error or a typed failure bans the peer until it
 re-announces (its announcement changes or expires), or, so that a fixed table cannot starve a
 stage for ever, until `max_ban_s` has passed.
@@ -74,24 +75,29 @@ class WiringConfig:
     bench_after: int = 2
     bench_initial_s: float = 5.0
     bench_max_s: float = 300.0
-    # A peer whose measured seconds per sample exceed this many times its stage's fastest usable
-    # peer's gets no work (its mates take its share), but for one probe every slow_probe_s. A stage
-    # commits a step only once every microbatch is held and its holders' all-reduce parts are in:
-    # a peer 4x slower than its mates (a shared or throttled host, docs/chaos.md `slow_peer`) holds
+    # A peer whose measured seconds per sample exceed this many times its stage's pace (the lower
+    # median of its usable peers': the faster of two) gets no work (its mates take its share), but
+    # probes. A stage commits a step only once every microbatch is held and its holders' all-reduce
+    # parts are in: a peer 4x slower than its mates (a shared or throttled host, docs/chaos.md `slow_peer`) holds
     # up every step it gets one microbatch of, by more than its compute saves its mates; below 4x
     # the weighted routing (fewer picks for a slower peer) is the better use of it.
     slow_factor: float = 4.0
-    # How often a withheld slow peer is given one call to measure it again (its reply replaces
-    # its estimate, so a peer that recovered rejoins at once). Each probe can delay one step by the
-    # slow peer's time; every 20 s that is a few percent of the stage's time.
+    # At most this long between the calls a withheld slow peer is given to measure it again (its
+    # reply replaces its estimate, so a peer that recovered rejoins at once). Each probe can delay
+    # one step by the slow peer's time; every 20 s that is a few percent of the stage's time.
     slow_probe_s: float = 20.0
-    # A peer is judged slow (and judges others, as the stage's fastest) on the median of its last
-    # this many replies, and only once it has that many: a fresh process's first calls pay one-time
-    # costs (a connection's handshake, lazy initialisation, a cold allocator) that measured 10-20x
-    # its pace for its first two replies under load, and the EMA keeps a third of the first reply's
-    # weight after three. Judged on one reply, or on the median of three, a newcomer (a joining or
-    # a moved peer) was withheld for slow_probe_s at once; the median of five outlasts two.
-    slow_window: int = 5
+    # The first probe after a peer is withheld, the gap then doubling to slow_probe_s: a fresh
+    # process's first calls pay one-time costs (a connection's handshake, lazy initialisation, a
+    # cold allocator) that measured 10-20x its pace for its first two replies under load, so a
+    # newcomer (a joining or a moved peer) can be withheld on them; its first probe, warm, brings it
+    # back within seconds rather than slow_probe_s. A peer slow for good pays a few extra probes.
+    slow_probe_first_s: float = 4.0
+    # A peer is judged slow (and sets the pace others are judged by) on the median of its last
+    # this many replies, and only once it has that many. The routing already gives a slow peer few
+    # picks: a peer stopped 75% of the time (bench/chaos_goodput.py `slow_peer`) got 3 replies in
+    # 13 steps, so a window of five never judged it and the stage kept its pace (0.17 of the
+    # mate-less rate, tests/train/test_train_stalled_mate.py). One stray fast reply is outvoted.
+    slow_window: int = 3
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -104,8 +110,8 @@ class WiringConfig:
             raise ValueError("timeout_factor and timeout_floor_s must be positive, timeout_penalty >= 1")
         if self.bench_after < 1 or not 0 < self.bench_initial_s <= self.bench_max_s:
             raise ValueError("bench_after must be >= 1 and 0 < bench_initial_s <= bench_max_s")
-        if not (self.slow_factor > 1 and self.slow_probe_s > 0 and self.slow_window >= 1):
-            raise ValueError("slow_factor must be > 1, slow_probe_s positive and slow_window at least 1")
+        if not (self.slow_factor > 1 and 0 < self.slow_probe_first_s <= self.slow_probe_s and self.slow_window >= 1):
+            raise ValueError("slow_factor must be > 1, 0 < slow_probe_first_s <= slow_probe_s and slow_window at least 1")
 
     def weight(self, kind: Kind) -> float:
         """Cost of one sample of `kind` in forward-equivalents."""
@@ -183,6 +189,7 @@ class StageWiring:
         self._strikes: dict[bytes, int] = {}  # consecutive timeouts
         self._benched: dict[bytes, float] = {}  # peer id -> until (wall clock)
         self._probe_at: dict[bytes, float] = {}  # slow peers withheld: peer id -> next probe (wall clock)
+        self._probe_gap: dict[bytes, float] = {}  # peer id -> the gap to its next probe (doubling)
 
     # ------------------------------------------------------------------ membership
 
@@ -203,6 +210,7 @@ class StageWiring:
         self._strikes = {pid: n for pid, n in self._strikes.items() if pid in fresh}
         self._benched = {pid: t for pid, t in self._benched.items() if pid in fresh}
         self._probe_at = {pid: t for pid, t in self._probe_at.items() if pid in fresh}
+        self._probe_gap = {pid: t for pid, t in self._probe_gap.items() if pid in fresh}
 
     def ban(self, peer: StagePeer, now: float, reason: str) -> bool:
         """True when this newly bans the peer (concurrent calls often fail on the same dead peer).
@@ -232,22 +240,33 @@ class StageWiring:
         return out if slow_too else out | self.withheld(now, out)
 
     def withheld(self, now: float, excluded: set[bytes] | None = None) -> set[bytes]:
-        """Peers withheld from picks for slowness now (`slow_factor`): their probe is not due. The
-        fastest is taken among the peers not banned or benched (`excluded`), so a slow peer is
-        used again, at once, when its faster mates are gone."""
+        """Peers withheld from picks for slowness now (`slow_factor`): their probe is not due.
+        Slowness is against the stage's pace, the lower median of its judged peers' rates (the
+        faster of two): one fast peer, which a liar can always be, cannot withhold all its mates
+        and hold every microbatch of a step alone, where robust aggregation has no one to compare
+        it with. The pace is taken among the peers not banned or benched (`excluded`), so a slow
+        peer is used again, at once, when its faster mates are gone."""
         if excluded is None:
             self._lift_expired_bans(now)
             self._lift_expired_benches(now)
             excluded = self._bans.keys() | self._benched.keys()
         rates = {pid: spp for pid, spp in ((pid, self._judged_rate(pid, s)) for pid, s in self._speed.items()
                                           if pid in self._peers and pid not in excluded) if spp is not None}
-        fastest = min(rates.values(), default=0.0)
-        slow = {pid for pid, spp in rates.items() if fastest > 0 and spp > self.config.slow_factor * fastest}
+        ordered = sorted(rates.values())
+        pace = ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+        slow = {pid for pid, spp in rates.items() if pace > 0 and spp > self.config.slow_factor * pace}
         for peer_id in [pid for pid in self._probe_at if pid not in slow]:
             del self._probe_at[peer_id]
-        for peer_id in slow:
-            self._probe_at.setdefault(peer_id, now + self.config.slow_probe_s)
+        for peer_id in slow - self._probe_at.keys():
+            self._probe_at[peer_id] = self._next_probe(peer_id, now)
         return {pid for pid in slow if now < self._probe_at[pid]}
+
+    def _next_probe(self, peer_id: bytes, now: float) -> float:
+        """When to probe a withheld peer next: slow_probe_first_s, then twice the last gap, up to
+        slow_probe_s. The gap is kept when the peer recovers, so one that flaps backs off too."""
+        gap = self._probe_gap.get(peer_id, self.config.slow_probe_first_s)
+        self._probe_gap[peer_id] = min(2 * gap, self.config.slow_probe_s)
+        return now + gap
 
     def _judged_rate(self, peer_id: bytes, speed: Throughput) -> float | None:
         """Seconds per sample that slowness is judged on: a withheld peer's probe reply (its
@@ -303,7 +322,7 @@ class StageWiring:
         if probe:
             # Withheld until now, its key stayed behind its mates': charged from where they are,
             # so a peer that turns out fast again is not handed a burst of work.
-            self._probe_at[chosen] = now + self.config.slow_probe_s
+            self._probe_at[chosen] = self._next_probe(chosen, now)
             rest = [k for pid, k in self._key.items() if pid != chosen and pid not in excluded]
             self._key[chosen] = max(self._key[chosen], min(rest, default=self._key[chosen]))
         self._set_key(chosen, self._key[chosen] + self.expected_seconds(chosen, samples, kind))

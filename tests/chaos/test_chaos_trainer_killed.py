@@ -72,6 +72,8 @@ def test_a_trainer_killed_mid_step_has_its_share_taken_over(tmp_path: Path) -> N
         run.wait_step(KILL_AT)
         run.note("SIGKILL peer3 (trainer 1 of 2)")
         swarm.signal(p3, signal.SIGKILL)
+        # On a loaded machine the job may be a step or two past KILL_AT by the time the kill lands.
+        killed_at = run.view()["step"]
         run.wait("the job to finish", lambda v: v["state"] == "done", timeout=300)
         events = [e for e in p0.client().logs(run.job) if e["kind"] == "step"]
     finally:
@@ -83,8 +85,9 @@ def test_a_trainer_killed_mid_step_has_its_share_taken_over(tmp_path: Path) -> N
               f"{e['answers_lost']}, stage samples {e['stage_samples']}, duplicates {e['duplicates']}")
         assert all(s in (GLOBAL, -1) for s in e["stage_samples"]) and all(d in (0, -1) for d in e["duplicates"]), e
     alone = [e for e in events if e["samples"] == GLOBAL]
-    assert len(alone) >= STEPS - KILL_AT - 2, "peer0's trainer did not take over peer3's share"
-    assert sum(e["taken_over"] for e in events) >= (STEPS - KILL_AT - 2) * GLOBAL // MICRO // 2
+    # Every step after the kill but the one it interrupted and the next (the takeover bound) is peer0's alone.
+    assert len(alone) >= STEPS - killed_at - 2, f"peer0's trainer did not take over peer3's share (killed at step {killed_at})"
+    assert sum(e["taken_over"] for e in events) >= (STEPS - killed_at - 2) * GLOBAL // MICRO // 2
     lost = sum(e["answers_lost"] for e in events)
     assert lost <= raw["pipeline"]["microbatches_in_flight"]
     reference = ReferenceTrainer.from_spec(JobSpec.from_dict(raw), tmp_path)

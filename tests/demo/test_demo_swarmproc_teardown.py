@@ -29,9 +29,16 @@ while True:
 """
 
 
-def start_parent(root: Path, when: str) -> tuple[subprocess.Popen, list[int]]:
+def as_in_the_foreground() -> None:
+    """A child as a shell starts a foreground command: SIGINT at its default. Run in the background
+    (`make test &`), this test's process and its children inherit SIGINT ignored, which
+    `install_signal_handlers` then leaves ignored (tested below)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_parent(root: Path, when: str, preexec=as_in_the_foreground) -> tuple[subprocess.Popen, list[int]]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(root), when], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     line = parent.stdout.readline()
     assert line, f"the parent printed nothing; stderr:\n{parent.stderr.read()}"
     return parent, json.loads(line)
@@ -83,7 +90,7 @@ def test_ctrl_c_of_the_demo_itself_leaves_nothing(tmp_path: Path, procs) -> None
        mentions the demo's output directory."""
     out = tmp_path / "out"
     demo = subprocess.Popen([sys.executable, "-m", "swarmd.demo", "--peers", "3", "--out", str(out), "--no-baseline"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_in_the_foreground)
     deadline = time.monotonic() + 60
     while not (out / "swarm" / "peer3" / "stderr.log").exists():
         assert demo.poll() is None and time.monotonic() < deadline, demo.communicate()
@@ -95,3 +102,19 @@ def test_ctrl_c_of_the_demo_itself_leaves_nothing(tmp_path: Path, procs) -> None
     assert "every peer it started has been stopped" in err
     time.sleep(0.5)
     assert procs.processes_mentioning(str(out)) == []
+
+
+def test_a_parent_started_with_sigint_ignored_keeps_it_ignored(tmp_path: Path, procs) -> None:
+    """1. Start the parent as a shell starts a background job: SIGINT ignored.
+       2. Send it SIGINT, then SIGTERM.
+       Expected: SIGINT changes nothing (before: the handler tore both daemons down and the
+       parent went on without them); SIGTERM still stops the parent and both daemons."""
+    parent, pids = start_parent(tmp_path, "ready", preexec=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    parent.send_signal(signal.SIGINT)
+    with pytest.raises(subprocess.TimeoutExpired):
+        parent.wait(timeout=1.0)  # the only way to see "nothing happened" is to give it a moment
+    assert all(procs.running(pid) for pid in pids)
+    parent.send_signal(signal.SIGTERM)
+    parent.wait(timeout=30)
+    assert parent.returncode == -signal.SIGTERM
+    assert wait_gone(pids, procs) == []

@@ -169,3 +169,24 @@ async def test_a_round_with_a_member_that_owns_no_shard_waits_for_neither_its_sh
     assert box.gathered_ready() and box.plans == {0: (0, 2), 2: (0, 2)}
     with pytest.raises(RpcError):
         box.put_gather(2, 5, torch.ones(0), (), (3,))  # a plan naming a non-member
+
+
+def resident_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+async def test_opening_a_box_touches_none_of_its_memory():
+    """Steps: open a round box for 64M parameters (256 MiB for the gathered vector, 128 MiB for each
+    of two members' copies of this member's shard) on the event loop.
+    Expected: the process's resident memory grows by far less than that (before: the buffers were
+    zeroed, a memset of ~512 MiB on the loop); the first parts then land as usual."""
+    numel = 64 * 2**20
+    before = resident_kib()
+    box = mailbox().box(b"r", 0, [b"a", b"b"], b"a", numel, join=True)
+    assert resident_kib() - before < 32 * 1024
+    part = torch.ones(1024)
+    box.put_part(1, 0, part, Contribution(frozenset({1}), 1))
+    assert torch.equal(box.parts[1][:1024], part) and box.received[1] == 1024

@@ -158,9 +158,9 @@ async def test_a_peer_announced_mid_run_is_found_and_used(tiny_job, swarm, pools
     peer of stage 0 starts (downloading the stage's state from its mate) and is announced; step 2
     waits until the trainer knows it (a step takes tens of milliseconds here, and the whole run
     could end before the refresher's first read). Expected: the trainer's background refresher
-    finds it within a few `refresh_s`, the wiring sends it work (the trainer measured its speed),
-    it commits every remaining step with its mate, and all 12 losses and the final parameters
-    still equal the reference's."""
+    finds it within a few `refresh_s`, the wiring sends it work (it computes microbatches), it
+    commits every remaining step with its mate, and all 12 losses and the final parameters still
+    equal the reference's."""
     spec, data = tiny_job(optim="sgd", lr=0.1, stages=2, steps=12)
     swarm_ = await swarm(spec, peers_per_stage=1)
     committed = asyncio.Event()
@@ -186,7 +186,9 @@ async def test_a_peer_announced_mid_run_is_found_and_used(tiny_job, swarm, pools
     # replies share the event loop with everyone, and a few ms of scheduling noise on a
     # sub-millisecond microbatch can make it look slow_factor times slower for a while.)
     assert any(e.peers_per_stage == (2, 1) for e in events), [e.peers_per_stage for e in events]
-    assert trainer.wiring[0].samples_per_s(newcomer.peer_id) < math.inf
+    # Used: it computed microbatches. (Not "the trainer holds a measure of it at the end": a
+    # directory read that briefly misses its announcement drops the measure with the peer.)
+    assert newcomer.service.executor.samples_per_s > 0
     await kit.all_committed(swarm_, 12)  # the newcomer among them: it committed every step
     reference = ReferenceTrainer(spec, data)
     for e, r in zip(events, reference.train(12)):
