@@ -15,8 +15,11 @@ The model (`step_seconds`) is square_cube.py's closed-pipeline overlap model wid
 step: a microbatch is a chain of 2S-1 RPCs (forwards, the last stage's forward+backward, backwards),
 each costing one RTT on top of its work; with k in flight, the step's microbatch phase is the larger
 of ceil(M/k) chains and the busiest resource's M services plus the pipeline's fill (one chain); then
-every stage's commit is polled, one stage.info round trip per stage in turn, after the commit's own
-work. Its three constants are measured in this run at RTT 0, where no latency hides anything: the
+the commit (`commit_seconds`): the trainer long-polls every stage (stage.info with until_step), and
+a peer answers when it commits, or at once when it committed before the poll reached it, so the
+trainer sees the commit the larger of the stage's wait for its sync tick and one RTT after its
+last reply. Its
+three constants are measured in this run at RTT 0, where no latency hides anything: the
 chain's work, the busiest resource's time per microbatch and the commit's, the values that fit
 the RTT-0 steps at every k best (`calibrate`). Each RTT's points are measured right after a block
 of RTT-0 points of their own and predicted from those: on a machine shared with other work the
@@ -67,6 +70,9 @@ JOB = {"d_model": 32, "n_heads": 2, "layers_per_stage": 1, "seq_len": 16, "globa
        "microbatch_samples": 1, "codec": "fp16+lz4", "seed": 0}
 RTTS_MS = (0, 50, 100, 200)
 IN_FLIGHT = (1, 4, 16)
+#: A lone stage peer commits at its first sync tick after the step's last gradient arrived
+#: (StageLimits.sync_interval_s; the daemons here keep the default): the commit's wait, uniform over it.
+SYNC_TICK_S = 0.1
 #: Points per axis of the calibration's grid search (chain x commit).
 CALIBRATION_GRID = 100
 #: A point's measured window lasts at least `--steps` steps and at least this long: short steps
@@ -94,14 +100,26 @@ def predict(cal: Calibration, rtt_s: float, in_flight: int, microbatches: int, s
 
 
 def step_seconds(cal: Calibration, rtt_s: float, in_flight: int, microbatches: int, stages: int) -> float:
-    """A step: the microbatch phase, then the commit polls. In the phase, each of ceil(M/k) rounds of
+    """A step: the microbatch phase, then the commit. In the phase, each of ceil(M/k) rounds of
     k microbatches costs a chain; and however many are in flight, the busiest resource serves the M
     microbatches one after another, the first of them only after a whole chain (the pipeline's fill),
     hence M×busy + chain - busy."""
     chain = cal.chain_s + (2 * stages - 1) * rtt_s
     fill_and_serve = microbatches * cal.busy_s + chain - cal.busy_s
     phase = max(fill_and_serve, math.ceil(microbatches / in_flight) * chain)
-    return phase + cal.commit_s + stages * rtt_s
+    return phase + commit_seconds(cal, rtt_s)
+
+
+def commit_seconds(cal: Calibration, rtt_s: float, tick_s: float = SYNC_TICK_S) -> float:
+    """From the trainer's last reply of a step to its seeing every stage's commit. Stage 0 commits
+    last, w after its last backward arrived: at its next sync tick (w uniform over `tick_s`), plus a
+    little work. That backward arrived half an RTT before the trainer had its reply; the trainer's
+    long-poll then reaches stage 0 half an RTT after the reply, is answered at the commit or, if the
+    commit came first, at once, and takes half an RTT back: max(w, RTT) after the reply.
+    E[max(U(0, T), r)] is (T² + r²) / 2T below T, r above; `commit_s` (measured at RTT 0) is its
+    value at r = 0, T/2, plus the commit's fixed work."""
+    spread = rtt_s if rtt_s >= tick_s else (tick_s ** 2 + rtt_s ** 2) / (2 * tick_s)
+    return cal.commit_s + spread - tick_s / 2
 
 
 def calibrate(zero: dict[int, float], microbatches: int, stages: int, global_samples: int) -> Calibration:

@@ -39,12 +39,14 @@ class StageLimits:
     # other call further ahead is answered `not_ready` at once: parked, it would hold a slot (and
     # its tensors) up to max_wait_s.
     max_steps_ahead: int = 1
-    # `stage.wait_commit` long-polls held at once, in all and per caller. They hold no tensors, and
-    # they have slots of their own, apart from max_waiting: a stranger's watches must not take the
-    # slots the trainers' next-step compute calls park in. A trainer watches one peer per stage.
+    # `stage.info` long-polls (until_step, wait_s) held at once, in all and per caller. They hold no
+    # tensors, and they have slots of their own, apart from max_waiting: a stranger's long-polls must
+    # not take the slots the trainers' next-step compute calls park in. A trainer's commit watch
+    # holds one per peer it watches; past these, a long-poll is answered at once, as a plain
+    # stage.info (the caller polls).
     max_watchers: int = 64
     max_watchers_per_peer: int = 4
-    # Longest such a call waits when its caller set no deadline.
+    # Longest such a long-poll (or a parked compute call) waits, whatever its caller asked.
     max_wait_s: float = 30.0
     # Compatible microbatches (same kind, step and shapes) fused into one compute call: larger
     # matmuls use the device better; 4 already fills a CPU core, and each answer is split back out.
@@ -194,6 +196,10 @@ class Slots:
 
     def held_by(self, caller: bytes | None) -> int:
         return self._held.get(caller, 0)
+
+    def free(self, caller: bytes | None) -> bool:
+        """Whether `hold(caller)` would take a slot now rather than refuse."""
+        return self.total < self.limit and self.held_by(caller) < self.per_caller
 
     @contextlib.contextmanager
     def hold(self, caller: bytes | None) -> Iterator[None]:

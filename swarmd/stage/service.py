@@ -120,11 +120,11 @@ class StageService:
         self._tasks = TaskSet(f"stage {stage_index}")
         self._aux = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage_index}-aux")
         self._committed_event = asyncio.Event()
-        # Compute calls parked for a later step, and `stage.wait_commit` watches: separate slots,
-        # each counted in all and per caller (a stranger's watches leave the trainers' slots alone).
+        # Compute calls parked for a later step, and `stage.info` long-polls: separate slots, each
+        # counted in all and per caller (a stranger's long-polls leave the trainers' slots alone).
         self.parked = Slots("calls wait for a commit", limits.max_waiting, "max_waiting",
                             limits.max_waiting_per_peer, "max_waiting_per_peer")
-        self.watchers = Slots("stage.wait_commit calls wait", limits.max_watchers, "max_watchers",
+        self.watchers = Slots("stage.info long-polls wait", limits.max_watchers, "max_watchers",
                               limits.max_watchers_per_peer, "max_watchers_per_peer")
         self._checkpoint_lock = asyncio.Lock()
         self._resume_lock = asyncio.Lock()
@@ -641,6 +641,13 @@ class StageService:
     # ------------------------------------------------------------------------ info and state
 
     async def info(self, req: Request) -> Message:
+        """`stage.info`: this peer's progress. Given `until_step` and `wait_s`, a long-poll: while this
+        peer has committed no step past `until_step`, the answer waits for a commit that does
+        (`_wait_past`), so a trainer watching for a commit hears of it one reply leg after it happens
+        instead of at its next poll."""
+        until_step, wait_s = _long_poll(req.meta)
+        if until_step is not None:
+            await self._wait_past(until_step, wait_s, req)
         progress = self.accumulator.progress(self.committed) if self.state != "stopped" else None
         last = asdict(self.records[-1]) if self.records else None
         return Message({
@@ -654,26 +661,25 @@ class StageService:
             "round_protocol": ROUND_PROTOCOL, "allreduce_codec": self.limits.allreduce_codec,
         }, codec="none")
 
-    async def wait_commit(self, req: Request) -> Message:
-        """`stage.wait_commit {step, timeout_s}`: answered once this peer has committed past `step`
-        (or at the timeout, bounded by max_wait_s and the call's deadline), with the step, digest and
-        last record: a trainer waits on one peer per stage instead of polling every peer."""
-        step, timeout_s = req.meta.get("step"), req.meta.get("timeout_s")
-        if type(step) is not int or isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or not timeout_s >= 0:
-            raise bad_input("stage.wait_commit needs int step and timeout_s >= 0")
+    async def _wait_past(self, step: int, wait_s: float, req: Request) -> None:
+        """Until this peer has committed past `step`, for at most `wait_s`, `max_wait_s`, and until
+        shortly before the call's deadline (the answer, not the transport's timeout, must reach the
+        caller), in one of the `watchers` slots. With no slot free (in all, or for this caller) it
+        returns at once: the caller gets a plain answer and polls again, where a `busy` would only
+        make it retry sooner."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + min(float(timeout_s), self.limits.max_wait_s)
+        now = loop.time()
+        until = now + min(wait_s, self.limits.max_wait_s)
         if req.deadline is not None:
-            until = min(until, req.deadline - min(0.25, max(0.0, req.deadline - loop.time()) / 10))
-        if self.committed <= step and until > loop.time():
-            with self.watchers.hold(req.peer.peer_id):
-                while self.committed <= step and until > loop.time():
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout_at(until):
-                            await self._committed_event.wait()
-        last = asdict(self.records[-1]) if self.records else None
-        return Message({"step": self.committed, "digest": self.digest, "last_step": last}, codec="none")
+            until = min(until, req.deadline - min(0.25, max(0.0, req.deadline - now) / 10))
+        caller = req.peer.peer_id
+        if self.committed > step or until <= now or not self.watchers.free(caller):
+            return
+        with self.watchers.hold(caller):
+            while self.committed <= step and until > loop.time():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(until):
+                        await self._committed_event.wait()
 
     async def state_stream(self, req: Request) -> AsyncIterator[Message]:
         """`stage.state`: this peer's state for a joiner, in one of the `streams` slots, ended
@@ -792,6 +798,18 @@ class StageService:
             path = await asyncio.to_thread(ckpt.write_checkpoint, self.state_dir, snapshot, self.stage_index,
                                            self.limits.checkpoints_kept)
         log.info("stage %d wrote %s", self.stage_index, path)
+
+
+def _long_poll(meta: dict[str, Any]) -> tuple[int | None, float]:
+    """`stage.info`'s optional long-poll fields, checked at the edge: (until_step, wait_s), or
+    (None, 0) for a plain call. Both or neither; until_step an int, wait_s a number >= 0."""
+    until_step, wait_s = meta.get("until_step"), meta.get("wait_s")
+    if until_step is None and wait_s is None:
+        return None, 0.0
+    if type(until_step) is not int or isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) \
+            or not wait_s >= 0:
+        raise bad_input("stage.info's long-poll needs int until_step and wait_s >= 0, both")
+    return until_step, float(wait_s)
 
 
 def _caller(req: Request) -> str:

@@ -20,8 +20,9 @@ What it keeps its promises with (docs/trainer.md, "Invariants"):
   work is done by the others.
 - Memory bounded by the work in flight: a finished microbatch's tensors, needed only for a re-send,
   go to disk (`held.py`).
-- A step's commit is watched by asking every stage at once, each peer with a short timeout and
-  the stragglers a shorter one once a peer answered; a peer that did not answer in time is not
+- A step's commit is watched by long-polling every stage at once (`stage.info` with `until_step`:
+  a peer answers when it commits, or after `commit_wait_s`), each peer with a bounded timeout and
+  the stragglers a shorter one once a peer's wait ended; a peer that did not answer in time is not
   asked for a while: one hung peer costs one straggler wait now and then, not a timeout per poll.
 - No one peer's word decides for a stage (docs/security.md, "Progress lies"): a stage's step is the
   lower median of its peers' claims, preferring peers that served this trainer (`progress.py`);
@@ -103,7 +104,16 @@ class TrainerConfig:
     # starts here, doubles per round, capped at wait_max_s.
     wait_initial_s: float = 0.05
     wait_max_s: float = 5.0
-    # Polling for a step's commit: starts here, doubles while waiting, capped.
+    # How long one stage.info of a commit watch may wait at a peer for the step's commit (a
+    # long-poll, docs/stage-rpc.md): the peer answers as soon as it commits, so the watch hears of
+    # a commit one reply leg after it, whatever the round trip. Not longer: while a step does not
+    # commit, the watch's other work (re-sending what a stage lost, taking over undone
+    # microbatches, the status line) runs on these answers, and 1 s keeps it at the pace of the
+    # old poll's 1 s cap, well inside resend_grace_s and uncovered_grace_s. 0: plain polls.
+    commit_wait_s: float = 1.0
+    # Commit-watch rounds that come back at once (a peer with no watch slot free or that does not
+    # wait, a committed stage whose step record has not landed yet) start at least this long apart,
+    # the spacing doubling while they keep coming back at once, capped.
     commit_poll_s: float = 0.02
     commit_poll_max_s: float = 1.0
     # A missing microbatch re-sent less than this long ago is not re-sent again: the stage's report
@@ -148,9 +158,10 @@ class TrainerConfig:
             raise ValueError("TrainerConfig.stage_info_skip_max_s must be >= stage_info_skip_s")
         if self.ban_log_kept < 1:
             raise ValueError("TrainerConfig.ban_log_kept must be >= 1")
-        if self.max_bad_input < 1 or self.resend_grace_s < 0 or self.uncovered_grace_s < 0:
-            raise ValueError("TrainerConfig.max_bad_input must be >= 1, resend_grace_s and "
-                             "uncovered_grace_s >= 0")
+        if self.max_bad_input < 1 or self.resend_grace_s < 0 or self.uncovered_grace_s < 0 \
+                or not self.commit_wait_s >= 0:
+            raise ValueError("TrainerConfig.max_bad_input must be >= 1, resend_grace_s, uncovered_grace_s "
+                             "and commit_wait_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,51 @@ class _Counters:
     bans: int = 0
     resent: int = 0
     answers_lost: int = 0
+
+
+@dataclass
+class _CommitWatch:
+    """What one step's commit watch (`Trainer._wait_committed`) has learnt so far."""
+
+    step: int
+    lead: int  # a stage this many steps past `step` shows every stage committed it
+    began: float  # loop time
+    losses: dict[int, progress.LossWatch]  # per stage: this trainer's ids it lost
+    spacing: float  # the least time between the starts of two rounds that come back at once (`pause`)
+    committed: dict[int, tuple[int, int]] = field(default_factory=dict)  # stage -> its step record
+    unrecorded: dict[int, int] = field(default_factory=dict)  # stage -> rounds it showed no record
+    takeovers: dict[int, asyncio.Task] = field(default_factory=dict)  # index -> its task
+    furthest: int = -1  # the furthest step any stage's peers agreed on
+
+    def pending(self, stages: int) -> list[int]:
+        return [i for i in range(stages) if i not in self.committed]
+
+    def stage_past(self, stage: int, finished: list[dict[str, Any]]) -> None:
+        """Stage `stage` committed the step (`finished`: the answers of its peers that did), or
+        another stage is `lead` past it (`finished` empty: no record). A peer's step count can
+        move a moment before its step record lands: the record is asked for again for up to
+        RECORD_POLLS rounds, then done without."""
+        if not finished:
+            log.info("stage %d taken as past step %d: another stage agrees on step %d", stage, self.step,
+                     self.furthest)
+            self.committed[stage] = (-1, -1)
+            return
+        record = progress.step_record(finished, self.step)
+        self.unrecorded[stage] = self.unrecorded.get(stage, 0) + 1
+        if record != (-1, -1) or self.unrecorded[stage] > RECORD_POLLS:
+            self.committed[stage] = record
+
+    def pause(self, took: float, config: TrainerConfig) -> float:
+        """How long to wait before the next round, after one that took `took` seconds. A round in
+        which peers waited (for the commit, or the whole commit_wait_s) is followed at once. Rounds
+        that come back at once (no watch slot free at a peer, a peer that does not wait, a stage
+        committed whose record has not landed) start `spacing` apart, from commit_poll_s doubling
+        up to commit_poll_max_s while they keep coming back at once: never a busy loop."""
+        if took >= self.spacing:
+            self.spacing = config.commit_poll_s
+            return 0.0
+        pause, self.spacing = self.spacing - took, min(2 * self.spacing, config.commit_poll_max_s)
+        return pause
 
 
 @dataclass(frozen=True)
@@ -512,71 +568,71 @@ class Trainer:
         return event
 
     async def _wait_committed(self, step: int, done: dict[int, _Done], own_s: float) -> list[tuple[int, int]]:
-        """Poll until every stage committed `step`: re-send what a stage lost of this trainer's
-        microbatches, take over others' that stay undone. Returns, per stage, the (samples,
-        summed_duplicates) of its step record (-1 where no peer reported one)."""
-        committed: dict[int, tuple[int, int]] = {}
-        watches = {i: progress.LossWatch(self.config.uncovered_grace_s) for i in range(self.num_stages)}
-        unrecorded: dict[int, int] = {}
-        self.assignment.begin_step()
-        takeovers: dict[int, asyncio.Task] = {}
-        # Taken-over microbatches run `microbatches_in_flight` at a time, as the own share does.
-        self._takeover_slots = asyncio.Semaphore(self.spec.pipeline.microbatches_in_flight)
-        delay = self.config.commit_poll_s
+        """Watch every stage until it committed `step`: each round long-polls the stages still
+        pending (`_stage_answers` with `until_step`: a peer answers as soon as it commits, or after
+        `commit_wait_s`), re-sends what a stage lost of this trainer's microbatches and takes over
+        others' that stay undone. Returns, per stage, the (samples, summed_duplicates) of its step
+        record (-1 where no peer reported one)."""
         loop = asyncio.get_running_loop()
-        began = loop.time()
         # A stage that committed step s + 1 had every microbatch of s + 1 pass through every stage,
         # which each accepts only once it committed s (with delayed updates, s - 1): so once any
         # stage's agreed step is `lead` past `step`, every stage has committed `step`, whatever
         # its own answers say (a liar's low claim beside one honest peer, to a trainer behind).
-        lead = 3 if self.spec.pipeline.delayed_updates else 2
-        furthest = -1
+        watch = _CommitWatch(step, 3 if self.spec.pipeline.delayed_updates else 2, loop.time(),
+                             {i: progress.LossWatch(self.config.uncovered_grace_s) for i in range(self.num_stages)},
+                             spacing=self.config.commit_poll_s)
+        self.assignment.begin_step()
+        # Taken-over microbatches run `microbatches_in_flight` at a time, as the own share does.
+        self._takeover_slots = asyncio.Semaphore(self.spec.pipeline.microbatches_in_flight)
         try:
-            while len(committed) < self.num_stages:
-                pending = [i for i in range(self.num_stages) if i not in committed]
-                answers = await self._poll_stages(pending)
-                voting = {i: progress.voters(answers[i], self._served[i]) for i in pending}
-                furthest = max([furthest, *(a for a in map(progress.agreed_step, voting.values()) if a is not None)])
-                undone: set[int] = set()
-                fresh: set[int] = set()  # undone even at the last stage: started nowhere
-                for i in pending:
-                    infos = voting[i]
-                    finished = progress.committed(infos, step)
-                    self._commit_status(i, step, infos, finished, loop.time() - began)
-                    if not finished and furthest >= step + lead:
-                        log.info("stage %d taken as past step %d: another stage agrees on step %d", i, step, furthest)
-                        committed[i] = (-1, -1)
-                        continue
-                    if finished:
-                        # A peer's step count can move a moment before its step record lands: ask
-                        # again a few times for the record, then do without it.
-                        record = progress.step_record(finished, step)
-                        unrecorded[i] = unrecorded.get(i, 0) + 1
-                        if record != (-1, -1) or unrecorded[i] > RECORD_POLLS:
-                            committed[i] = record
-                        continue
-                    await self._resend_lost(i, step, answers[i], infos, watches[i], done)
-                    ids = self._step_ids(step)
-                    here = {mb - ids.start for mb in progress.uncovered_everywhere(infos, step, set(ids))}
-                    undone |= here
-                    fresh |= here if i == self.num_stages - 1 else set()
-                self._take_over(step, undone, fresh, done, takeovers, own_s)
-                if len(committed) < self.num_stages:
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, self.config.commit_poll_max_s)
+            while pending := watch.pending(self.num_stages):
+                started = loop.time()
+                await self._watch_round(watch, pending, done, own_s)
+                if len(watch.committed) < self.num_stages:
+                    await asyncio.sleep(watch.pause(loop.time() - started, self.config))
         finally:
-            for task in takeovers.values():
-                task.cancel()  # the step committed without them (or the trainer stops)
-            outcomes = await asyncio.gather(*takeovers.values(), return_exceptions=True)
-        # A takeover that failed the way a trainer can fail (InputRefused) no longer matters once the
-        # step committed; anything else is a bug and is not swallowed.
-        for outcome in outcomes:
-            if isinstance(outcome, Exception) and not isinstance(outcome, (TrainerError, asyncio.CancelledError)):
-                raise outcome
+            await self._end_takeovers(watch.takeovers)
         for table in (self._resent_at, self._held_by):
             for key in [k for k in table if k[1] in self._step_ids(step)]:
                 del table[key]
-        return [committed[i] for i in range(self.num_stages)]
+        return [watch.committed[i] for i in range(self.num_stages)]
+
+    async def _watch_round(self, watch: _CommitWatch, pending: list[int], done: dict[int, _Done],
+                           own_s: float) -> None:
+        """One round of the commit watch over the stages still pending: mark those committed, act
+        on what the others report lost or undone."""
+        step = watch.step
+        answers = await self._poll_stages(pending, until_step=step)
+        voting = {i: progress.voters(answers[i], self._served[i]) for i in pending}
+        watch.furthest = max([watch.furthest,
+                              *(a for a in map(progress.agreed_step, voting.values()) if a is not None)])
+        undone: set[int] = set()
+        fresh: set[int] = set()  # undone even at the last stage: started nowhere
+        for i in pending:
+            infos = voting[i]
+            finished = progress.committed(infos, step)
+            self._commit_status(i, step, infos, finished, asyncio.get_running_loop().time() - watch.began)
+            if finished or watch.furthest >= step + watch.lead:
+                watch.stage_past(i, finished)
+                continue
+            await self._resend_lost(i, step, answers[i], infos, watch.losses[i], done)
+            ids = self._step_ids(step)
+            here = {mb - ids.start for mb in progress.uncovered_everywhere(infos, step, set(ids))}
+            undone |= here
+            fresh |= here if i == self.num_stages - 1 else set()
+        self._take_over(step, undone, fresh, done, watch.takeovers, own_s)
+
+    @staticmethod
+    async def _end_takeovers(takeovers: dict[int, asyncio.Task]) -> None:
+        """Cancel the takeovers still running: the step committed without them (or the trainer
+        stops). One that failed the way a trainer can fail (InputRefused) no longer matters once the
+        step committed; anything else is a bug and is not swallowed."""
+        for task in takeovers.values():
+            task.cancel()
+        outcomes = await asyncio.gather(*takeovers.values(), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception) and not isinstance(outcome, (TrainerError, asyncio.CancelledError)):
+                raise outcome
 
     def _step_ids(self, step: int) -> range:
         per_step = self.spec.batch.microbatches_per_step
@@ -653,17 +709,21 @@ class Trainer:
             self._counters.resent += 1
             self._resent_at[key] = asyncio.get_running_loop().time()
 
-    async def _poll_stages(self, stages: list[int]) -> dict[int, dict[bytes, dict[str, Any]]]:
-        """Every given stage's answers, all stages asked at once (`_stage_answers`)."""
-        answers = await asyncio.gather(*(self._stage_answers(i) for i in stages))
+    async def _poll_stages(self, stages: list[int],
+                           until_step: int | None = None) -> dict[int, dict[bytes, dict[str, Any]]]:
+        """Every given stage's answers, all stages asked at once (`_stage_answers`; a long-poll
+        given `until_step`)."""
+        answers = await asyncio.gather(*(self._stage_answers(i, until_step) for i in stages))
         return dict(zip(stages, answers))
 
-    async def _stage_answers(self, stage: int) -> dict[bytes, dict[str, Any]]:
+    async def _stage_answers(self, stage: int, until_step: int | None = None) -> dict[bytes, dict[str, Any]]:
         """peer id -> `stage.info` meta, for the stage's unbanned peers that answered in time
         (benched peers too: a bench is about compute calls, and they may hold the step's work).
-        All are asked at once, each for at most `stage_info_timeout_s`; once one has answered, the
-        others get `stage_info_straggler_s` more. A peer that did not answer in time is not asked
-        again for a while (`progress.InfoSkips`), unless no peer of the stage would be asked."""
+        All are asked at once (`_ask`); given `until_step`, as a long-poll. A peer still waiting
+        when its mates' answers ended a long-poll has not committed the step (or is hung): a plain
+        stage.info asks it where it stands, for `stage_info_straggler_s`, since its silence must
+        not leave the mates that did commit to vote alone. A peer that did not answer in time is
+        not asked again for a while (`progress.InfoSkips`), unless no peer of the stage would be."""
         peers = await self._usable_peers(stage, benched_too=True)
         skips = self._info_skips[stage]
         loop = asyncio.get_running_loop()
@@ -671,33 +731,65 @@ class Trainer:
         # waiting for their answers would hold every commit watch to their pace.
         skipped = skips.skipped(loop.time()) | self.wiring[stage].withheld(time.time())
         asked = [peer for peer in peers if peer.peer_id not in skipped] or peers
-        calls = {asyncio.create_task(self._info(stage, peer), name=f"stage.info {stage} {peer.addr}"): peer
-                 for peer in asked}
+        answers, late = await self._ask(stage, asked, until_step, self._info_timeout(until_step))
+        if until_step is not None and answers and late:
+            more, late = await self._ask(stage, late, None, self.config.stage_info_straggler_s)
+            answers |= more
+        for peer in late:
+            skips.missed(peer.peer_id, loop.time())
+        return answers
+
+    async def _ask(self, stage: int, peers: list[StagePeer], until_step: int | None,
+                   timeout: float) -> tuple[dict[bytes, dict[str, Any]], list[StagePeer]]:
+        """`peers`' stage.info answers (peer id -> meta), all asked at once, each for at most
+        `timeout`, and the peers that did not answer in time: once one answer ended a wait
+        (`_ends_wait`), the others get `stage_info_straggler_s` more."""
+        loop = asyncio.get_running_loop()
+        calls = {asyncio.create_task(self._info(stage, peer, until_step), name=f"stage.info {stage} {peer.addr}"): peer
+                 for peer in peers}
+        trusted = self._served[stage] & {peer.peer_id for peer in peers}
         answers: dict[bytes, dict[str, Any]] = {}
         pending = set(calls)
-        until = loop.time() + self.config.stage_info_timeout_s
+        asked_at = loop.time()
+        until = asked_at + timeout
         try:
             while pending and (left := until - loop.time()) > 0:
                 finished, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
-                    meta = task.result()
-                    if meta is not None:
-                        if not answers:
-                            until = min(until, loop.time() + self.config.stage_info_straggler_s)
-                        answers[calls[task].peer_id] = meta
+                    meta, peer_id = task.result(), calls[task].peer_id
+                    if meta is None:
+                        continue
+                    answers[peer_id] = meta
+                    if self._ends_wait(meta, peer_id in trusted or not trusted, until_step, loop.time() - asked_at):
+                        until = min(until, loop.time() + self.config.stage_info_straggler_s)
         finally:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        for task in pending:
-            skips.missed(calls[task].peer_id, loop.time())
-        return answers
+        return answers, [calls[task] for task in pending]
 
-    async def _info(self, stage: int, peer: StagePeer) -> dict[str, Any] | None:
-        message = Message({"job": self.job_id, "stage": stage}, codec="none")
+    def _ends_wait(self, meta: dict[str, Any], voting: bool, until_step: int | None, waited: float) -> bool:
+        """Whether this answer starts the stragglers' clock. A plain poll's first answer does. In a
+        long-poll, only an answer that ended a wait does (the peer is past `until_step`, or it waited
+        the whole `commit_wait_s`), and only from a peer whose word votes (one that served this
+        trainer, when any was asked): a peer answering at once (it had no watch slot free, or it
+        claims a far step) must not cut off its mates mid-wait, leaving its answer alone to vote."""
+        if until_step is None:
+            return True
+        return voting and (progress.as_int(meta.get("step")) > until_step or waited >= self.config.commit_wait_s)
+
+    def _info_timeout(self, until_step: int | None) -> float:
+        """A stage.info call's timeout: a long-poll's must outlast the wait it asks for."""
+        return self.config.stage_info_timeout_s + (0.0 if until_step is None else self.config.commit_wait_s)
+
+    async def _info(self, stage: int, peer: StagePeer, until_step: int | None = None) -> dict[str, Any] | None:
+        meta: dict[str, Any] = {"job": self.job_id, "stage": stage}
+        if until_step is not None:
+            meta |= {"until_step": until_step, "wait_s": self.config.commit_wait_s}
         skips = self._info_skips[stage]
         try:
-            reply = await self.pool.call(peer.addr, "stage.info", message, timeout=self.config.stage_info_timeout_s)
+            reply = await self.pool.call(peer.addr, "stage.info", Message(meta, codec="none"),
+                                         timeout=self._info_timeout(until_step))
         except DeadlineExceeded:
             skips.missed(peer.peer_id, asyncio.get_running_loop().time())
             return None

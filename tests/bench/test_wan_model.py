@@ -12,15 +12,24 @@ dht = load_bench("dht.py")
 
 
 def test_one_in_flight_pays_every_round_trip_of_every_microbatch():
-    cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.05)
-    # 16 microbatches x (0.01 + 3 RPCs x 0.1) + 0.05 + 2 stage.info round trips
-    assert wp.step_seconds(cal, 0.1, 1, 16, 2) == pytest.approx(16 * 0.31 + 0.05 + 0.2)
+    cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.06)  # 0.05 of tick wait, 0.01 of work
+    # 16 microbatches x (0.01 + 3 RPCs x 0.1), then the commit: at RTT >= the 0.1 s tick the
+    # long-poll always arrives after the tick, so one RTT, plus the work
+    assert wp.step_seconds(cal, 0.1, 1, 16, 2) == pytest.approx(16 * 0.31 + 0.1 + 0.01)
+
+
+def test_the_commit_is_seen_at_the_later_of_the_stages_tick_and_one_round_trip():
+    """E[max(U(0, 0.1), r)] + work: 0.05 at r = 0 (the calibration), 0.0625 at 50 ms (half the
+    time the tick comes first), r from the tick's length on."""
+    cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.06)
+    seen = [wp.commit_seconds(cal, rtt, tick_s=0.1) for rtt in (0.0, 0.05, 0.1, 0.2)]
+    assert seen == pytest.approx([0.06, 0.0725, 0.11, 0.21])
 
 
 def test_all_in_flight_pay_one_chain_and_the_busiest_resource():
-    cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.05)
+    cal = wp.Calibration(chain_s=0.01, busy_s=0.002, commit_s=0.06)
     chain = 0.01 + 3 * 0.1
-    assert wp.step_seconds(cal, 0.1, 16, 16, 2) == pytest.approx(16 * 0.002 + chain - 0.002 + 0.05 + 0.2)
+    assert wp.step_seconds(cal, 0.1, 16, 16, 2) == pytest.approx(16 * 0.002 + chain - 0.002 + 0.11)
     # compute-bound: with a slow stage, in-flight count no longer matters past the fill
     slow = wp.Calibration(chain_s=0.01, busy_s=0.5, commit_s=0.0)
     assert wp.step_seconds(slow, 0.0, 4, 16, 2) == wp.step_seconds(slow, 0.0, 16, 16, 2)

@@ -17,26 +17,29 @@ on it ("catch-up poisoning" and its relatives), and a stranger that takes the wa
   Closed (trainer side of R3, and R7): a stage is committed for the trainer when the lower median
   of its peers' steps is past the step, and an id is uncovered when at least half of the answers
   at the step list it (`progress.committed`, `progress.uncovered_everywhere`).
-- R4 (closed, swarmd/stage/service.py): `stage.wait_commit` took the same `max_waiting` slots as
-  the trainers' calls parked for the next step, and anyone may call it: 16 calls from a stranger and
-  every trainer's next-step call was refused `busy`; so were 16 calls parked for a far step. Now
-  watches have slots of their own, every slot count is also per caller, and a call more than
-  `max_steps_ahead` ahead does not park.
+- R4 (closed, swarmd/stage/service.py): `stage.wait_commit` (since replaced by `stage.info`'s
+  long-poll) took the same `max_waiting` slots as the trainers' calls parked for the next step, and
+  anyone may call it: 16 calls from a stranger and every trainer's next-step call was refused
+  `busy`; so were 16 calls parked for a far step. Now long-polls have slots of their own, every
+  slot count is also per caller, and a call more than `max_steps_ahead` ahead does not park.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import pytest
-from adversary_kit import JOB, STAGE, backward, committed_within, spec, start_peer, stranger_pool
+from adversary_kit import FAST, JOB, STAGE, backward, committed_within, spec, start_peer, stranger_pool, training_job
 from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.stage.core import CoreConfig, Download, MateView, Phase, StageCore, initial_digest
 from swarmd.train import progress
-from transport.errors import RemoteError, TransportError
+from swarmd.train.trainer import Trainer, TrainerConfig
+from swarmd.train.wiring import WiringConfig
+from transport.errors import RemoteError, RpcError, TransportError
 from transport.identity import Identity
 from transport.rpc import Message, Router, RpcConfig, RpcServer
 
@@ -140,15 +143,16 @@ async def next_step_is_answered(victim, stranger, calls: list[asyncio.Task], hel
         await trainer.close()
 
 
-async def test_a_strangers_wait_commit_calls_do_not_refuse_the_trainers_next_step(lone_peer):
-    """A stranger sends max_waiting (16) `stage.wait_commit` calls; then the trainer sends step 1's
-    first microbatch (parked until step 0 commits) and step 0's four. Expected: the step-1 call is
-    answered once step 0 commits; on main it is refused `busy` at once (the watches took every
-    max_waiting slot; now they have slots of their own, max_watchers_per_peer for one caller)."""
+async def test_a_strangers_long_polls_do_not_refuse_the_trainers_next_step(lone_peer):
+    """A stranger sends max_waiting (16) `stage.info` long-polls (`stage.wait_commit` calls when
+    R4 was found); then the trainer sends step 1's first microbatch (parked until step 0 commits)
+    and step 0's four. Expected: the step-1 call is answered once step 0 commits; before R4 was
+    closed it was refused `busy` at once (the watches took every max_waiting slot; now they have
+    slots of their own, max_watchers_per_peer for one caller, the rest answered at once)."""
     victim, _ = lone_peer
     stranger, _ = stranger_pool()
-    wait = Message({"job": JOB, "stage": STAGE, "step": 100, "timeout_s": 30.0}, codec="none")
-    waits = [asyncio.create_task(stranger.call(victim.addr, "stage.wait_commit", wait, timeout=10))
+    wait = Message({"job": JOB, "stage": STAGE, "until_step": 100, "wait_s": 30.0}, codec="none")
+    waits = [asyncio.create_task(stranger.call(victim.addr, "stage.info", wait, timeout=10))
              for _ in range(victim.service.limits.max_waiting)]
     await next_step_is_answered(victim, stranger, waits, lambda: victim.service.watchers.total)
 
@@ -164,3 +168,47 @@ async def test_a_strangers_parked_future_calls_do_not_refuse_the_trainers_next_s
     parked = [asyncio.create_task(backward(stranger, victim, 5, m % 4, timeout=10.0))
               for m in range(victim.service.limits.max_waiting)]
     await next_step_is_answered(victim, stranger, parked, lambda: victim.service.parked.total)
+
+
+async def test_a_liar_answering_at_once_does_not_cut_the_commit_watch_short(tmp_path):
+    """A stranger announced in stage 1 answers `stage.info` at once with step 1,000,000 (every
+    compute call `busy`, so it never serves the trainer); the honest peers commit up to 1 s after
+    the trainer's last backward (their sync loop ticks every second); the trainer gives stragglers
+    0.05 s. Expected: every step's commit is heard from the honest peers, with their records. The
+    commit watch long-polls: had the liar's instant answer ended the round, the honest peers, still
+    waiting for their commit, cut off and left out, the liar's claim alone would have decided
+    (measured so: every step taken as committed without stage 1's record, -1). A peer that did
+    not serve the trainer does not start the stragglers' clock, and a peer cut off by it is asked
+    where it stands."""
+    job_spec, data = training_job(tmp_path)
+    directory = StaticDirectory()
+    peers = [await start_peer(job_spec, stage, directory, dataclasses.replace(FAST, sync_interval_s=1.0))
+             for stage in range(2)]
+    liar_identity = Identity.generate()
+    router = Router()
+
+    async def info(req):
+        return Message({"step": 1_000_000, "state": "serving"}, codec="none")
+
+    async def busy(req):
+        raise RpcError("busy", "always")
+
+    router.unary("stage.info", info)
+    for method in ("stage.forward", "stage.backward", "stage.forward_backward"):
+        router.unary(method, busy)
+    liar = await RpcServer.serve_tcp(router, "127.0.0.1", 0, config=RpcConfig(identity=liar_identity))
+    directory.set(JOB, 1, [*await directory.peers(JOB, 1),
+                           StagePeer(liar_identity.peer_id, f"127.0.0.1:{liar.address[1]}", 1)])
+    pool, _ = stranger_pool()
+    config = TrainerConfig(info_timeout_s=2.0, refresh_s=0.5, wait_initial_s=0.01, wait_max_s=0.2,
+                           commit_poll_s=0.01, commit_poll_max_s=0.05, stage_info_straggler_s=0.05,
+                           wiring=WiringConfig(seed=3))
+    try:
+        trainer = Trainer(job_spec, JOB, directory, pool, data, config=config)
+        events = await asyncio.wait_for(trainer.run(0, 3), 120)
+        assert [e.stage_samples for e in events] == [(job_spec.batch.global_samples,) * 2] * 3
+    finally:
+        await pool.close()
+        await liar.close()
+        for peer in peers:
+            await peer.close()

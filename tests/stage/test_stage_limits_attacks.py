@@ -179,23 +179,23 @@ async def test_a_call_past_max_steps_ahead_is_answered_not_ready_at_once(kit, cl
         await peer.close()
 
 
-async def test_wait_commit_calls_have_slots_of_their_own(kit):
-    """Watches are bounded per caller (max_watchers_per_peer) and take no compute slot: with
-    max_waiting 1, a next-step call still parks beside a watch."""
+async def test_long_polls_have_slots_of_their_own(kit):
+    """`stage.info` long-polls are bounded per caller (max_watchers_per_peer: past it, one is
+    answered at once, as a plain stage.info) and take no compute slot: with max_waiting 1, a
+    next-step call still parks beside a long-poll."""
     spec = kit.make_spec(stages=3)
     peer = await kit.start_peer(spec, STAGE, 1, StaticDirectory(),
                                 StageLimits(max_waiting=1, max_watchers_per_peer=1, sync_interval_s=60.0))
     watcher, trainer = identified_pool(), identified_pool()
-    watch = Message({**kit.meta(STAGE), "step": 0, "timeout_s": 5.0}, codec="none")
-    held = [asyncio.create_task(watcher.call(peer.addr, "stage.wait_commit", watch, timeout=10))]
+    watch = Message({**kit.meta(STAGE), "until_step": 0, "wait_s": 5.0}, codec="none")
+    held = [asyncio.create_task(watcher.call(peer.addr, "stage.info", watch, timeout=10))]
     try:
-        await until(lambda: peer.service.watchers.total == 1, 5, "the first watch to wait")
-        with pytest.raises(RemoteError) as info:
-            await watcher.call(peer.addr, "stage.wait_commit", watch, timeout=10)
-        assert info.value.code == "busy" and "max_watchers_per_peer" in info.value.message
+        await until(lambda: peer.service.watchers.total == 1, 5, "the first long-poll to wait")
+        reply = await watcher.call(peer.addr, "stage.info", watch, timeout=10)
+        assert reply.meta["step"] == 0 and not held[0].done() and peer.service.watchers.total == 1
         held.append(asyncio.create_task(kit.call(trainer, peer, "stage.forward", STAGE, 1, 4, [torch.randn(B, T, C)],
                                                  timeout=5.0)))
-        await until(lambda: peer.service.parked.total == 1, 5, "the next-step call to park beside the watch")
+        await until(lambda: peer.service.parked.total == 1, 5, "the next-step call to park beside the long-poll")
     finally:
         for task in held:
             task.cancel()

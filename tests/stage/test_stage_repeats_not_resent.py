@@ -43,10 +43,11 @@ gradients = "none"
 stages = 1
 """
 LAGGING = b"\xfe" * 32
-# Re-sends allowed every 50 ms, polls every 20 ms at most: without the rule, dozens of repeats.
+# Re-sends allowed every 50 ms, polls (long-polls waiting 20 ms) every 20 ms at most: without the
+# rule, dozens of repeats.
 CONFIG = TrainerConfig(forward_timeout_s=20.0, backward_timeout_s=20.0, info_timeout_s=2.0, refresh_s=0.5,
                        wait_initial_s=0.01, wait_max_s=0.05, commit_poll_s=0.01, commit_poll_max_s=0.02,
-                       resend_grace_s=0.05, uncovered_grace_s=60.0, wiring=WiringConfig(seed=3))
+                       commit_wait_s=0.02, resend_grace_s=0.05, uncovered_grace_s=60.0, wiring=WiringConfig(seed=3))
 POLLS_AFTER = 40
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from jobspec import job_spec
+from waiting import until
 
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import load_spec, open_training_data
@@ -156,10 +157,18 @@ def max_relative_difference(swarm_: LoopbackSwarm, reference) -> float:
     return worst
 
 
+async def all_committed(swarm_: LoopbackSwarm, steps: int, timeout: float = 10.0) -> None:
+    """Until every live peer has committed `steps`: a trainer moves on once a stage's voting peers
+    committed, and a peer that was no member of the last round catches up by download a moment
+    later (compare parameters only then)."""
+    await until(lambda: all(p.service.committed == steps for p in swarm_.peers if not p.closed), timeout,
+                f"every live peer at step {steps}")
+
+
 @pytest.fixture
 def kit():
     """The helpers above (importlib mode cannot import conftest from a test module)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(JOB_ID=JOB_ID, TRAINER_CONFIG=TRAINER_CONFIG, STAGE_LIMITS=STAGE_LIMITS,
-                           max_relative_difference=max_relative_difference)
+                           max_relative_difference=max_relative_difference, all_committed=all_committed)

@@ -63,6 +63,7 @@ async def test_swarm_eval_losses_equal_the_references_and_training_stays_exact(t
         by_step[e.step] = by_step.get(e.step, 0.0) + e.shard_loss * e.samples
     for step, want in enumerate(ref_losses):
         assert abs(by_step[step] / spec.batch.global_samples - want) <= 1e-5 * abs(want)
+    await kit.all_committed(swarm_, 5)
     assert kit.max_relative_difference(swarm_, reference) <= 1e-5
 
 

@@ -78,6 +78,7 @@ async def test_a_timed_out_call_is_retried_on_the_same_peer_first_and_its_answer
     assert all(e.answers_lost == 0 and e.stage_samples == (8, 8) and e.duplicates == (0, 0) for e in events)
     reference = ReferenceTrainer(spec, data)
     reference.train(3)
+    await kit.all_committed(swarm_, 3)
     assert kit.max_relative_difference(swarm_, reference) <= 1e-5
 
 
@@ -105,6 +106,7 @@ async def test_a_trainer_that_never_comes_has_its_share_taken_over(tiny_job, swa
     ref_losses = [r.loss for r in reference.train(3)]
     for e, want in zip(events, ref_losses):
         assert abs(e.global_loss - want) <= 1e-5 * want  # it did every microbatch: it knows the loss
+    await kit.all_committed(swarm_, 3)
     worst = kit.max_relative_difference(swarm_, reference)
     print(f"max relative difference to the reference {worst:.2e}")
     assert worst <= 1e-5

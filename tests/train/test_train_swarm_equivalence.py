@@ -5,9 +5,11 @@ STAGE_LIMITS: allreduce_codec "none") except where a test says otherwise."""
 import asyncio
 import dataclasses
 import math
+import threading
 
 import pytest
 import torch
+from waiting import until
 
 from swarmd.reference import ReferenceTrainer
 from swarmd.stage import StageLimits
@@ -64,15 +66,10 @@ async def test_sgd_with_momentum_matches_the_reference(tiny_job, swarm, pools, k
         assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
     for e in events:
         assert e.stage_samples == (spec.batch.global_samples,) * 3 and e.duplicates == (0, 0, 0), e
+    await kit.all_committed(swarm_, 5)
     worst = kit.max_relative_difference(swarm_, reference)
     print(f"SGD+momentum, 5 steps, 3 stages x 2 peers, 2 trainers: max relative difference {worst:.2e}")
     assert worst <= 1e-5
-    # A trainer moves on once the stage reports the commit; a mate may apply it a moment later.
-    for _ in range(100):
-        if all(peer.service.committed == 5 for peer in swarm_.peers):
-            break
-        await asyncio.sleep(0.1)
-    assert [peer.service.committed for peer in swarm_.peers] == [5] * len(swarm_.peers)
     # Both peers of every stage did work: the wiring spread it.
     for stage in range(3):
         assert all(t.wiring[stage].samples_per_s(p.peer_id) < math.inf
@@ -97,6 +94,7 @@ async def test_the_fp16_all_reduce_default_keeps_every_steps_loss_near_the_refer
     ref_losses = [r.loss for r in reference.train(5)]
     losses = global_losses(events, spec.batch.global_samples)
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    await kit.all_committed(swarm_, 5)
     worst = kit.max_relative_difference(swarm_, reference)
     print(f"fp16 all-reduce: losses {[round(v, 5) for v in losses]}, reference {[round(v, 5) for v in ref_losses]}, "
           f"max relative loss difference {loss_diff:.2e}, parameters {worst:.2e}")
@@ -139,25 +137,49 @@ async def test_one_trainer_reports_the_global_loss(tiny_job, swarm, pools, kit):
     assert [e.step for e in await asyncio.wait_for(late.run(stop_step=3), 30)] == [2]
 
 
+class GatedData:
+    """The training data, whose microbatches of `step` and later are handed out only once `gate`
+    is set (read in a thread, `asyncio.to_thread`, so the event loop runs on meanwhile)."""
+
+    def __init__(self, data, step: int, gate: threading.Event) -> None:
+        self._data, self._step, self._gate = data, step, gate
+
+    def microbatch(self, step: int, index: int):
+        if step >= self._step:
+            assert self._gate.wait(60), "the gate was never opened"
+        return self._data.microbatch(step, index)
+
+    def __getattr__(self, name: str):
+        return getattr(self._data, name)
+
+
 async def test_a_peer_announced_mid_run_is_found_and_used(tiny_job, swarm, pools, kit):
     """Steps: 2 stages × 1 peer, one trainer, 12 steps in one `run`; after step 1 commits, a second
-    peer of stage 0 starts (downloading the stage's state from its mate) and is announced.
-    Expected: the trainer's background refresher finds it within `refresh_s`, the wiring sends it
-    work (it computes microbatches), it commits every remaining step with its mate, and all
-    12 losses and the final parameters still equal the reference's."""
+    peer of stage 0 starts (downloading the stage's state from its mate) and is announced; step 2
+    waits until the trainer knows it (a step takes tens of milliseconds here, and the whole run
+    could end before the refresher's first read). Expected: the trainer's background refresher
+    finds it within a few `refresh_s`, the wiring sends it work (it computes microbatches), it
+    commits every remaining step with its mate, and all 12 losses and the final parameters still
+    equal the reference's."""
     spec, data = tiny_job(optim="sgd", lr=0.1, stages=2, steps=12)
     swarm_ = await swarm(spec, peers_per_stage=1)
     committed = asyncio.Event()
+    gate = threading.Event()
 
     def on_event(event):
         if getattr(event, "step", -1) == 1:
             committed.set()
 
-    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], data, config=kit.TRAINER_CONFIG,
-                      on_event=on_event)
+    trainer = Trainer(spec, kit.JOB_ID, swarm_.directory, pools(1)[0], GatedData(data, 2, gate),
+                      config=kit.TRAINER_CONFIG, on_event=on_event)
     task = asyncio.create_task(trainer.run(0, 12))
-    await asyncio.wait_for(committed.wait(), 30)
-    newcomer = await swarm_.add_peer(0, b"\x99" * 32)
+    try:
+        await asyncio.wait_for(committed.wait(), 30)
+        newcomer = await swarm_.add_peer(0, b"\x99" * 32)
+        await until(lambda: trainer.wiring[0].peer_count == 2, 10 * kit.TRAINER_CONFIG.refresh_s,
+                    "the trainer's refresher to find the newcomer")
+    finally:
+        gate.set()
     events = await asyncio.wait_for(task, 60)
     assert [e.step for e in events] == list(range(12))
     # Found: some step counted it usable. (It may be withheld by the end: in one process its
@@ -167,7 +189,7 @@ async def test_a_peer_announced_mid_run_is_found_and_used(tiny_job, swarm, pools
     # Used: it computed microbatches. (Not "the trainer holds a measure of it at the end": a
     # directory read that briefly misses its announcement drops the measure with the peer.)
     assert newcomer.service.executor.samples_per_s > 0
-    assert newcomer.service.committed == 12
+    await kit.all_committed(swarm_, 12)  # the newcomer among them: it committed every step
     reference = ReferenceTrainer(spec, data)
     for e, r in zip(events, reference.train(12)):
         assert abs(e.global_loss - r.loss) <= 1e-5 * r.loss
