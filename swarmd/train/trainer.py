@@ -49,7 +49,7 @@ from swarmd.directory import StageDirectory, StagePeer
 from swarmd.errors import SwarmdError
 from swarmd.job.data import Microbatch, TrainingData
 from swarmd.job.spec import JobSpec
-from swarmd.train import progress
+import swarmd.train.progress as progress
 from swarmd.train.assignment import Assignment, TakeoverPolicy
 from swarmd.train.errors import InputRefused, TrainerError
 from swarmd.train.evaluation import Evaluation, EvaluationConfig
