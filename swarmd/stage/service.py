@@ -33,8 +33,8 @@ from swarmd.stage import checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
 from swarmd.stage.compute import (BACKWARD, EVALUATE, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous,
                                   StageCompute, Work)
-from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan, StageCore, initial_digest,
-                               jump_digest, next_digest)
+from swarmd.stage.core import (BEHIND, Admission, CoreConfig, Download, Phase, RoundPlan, StageCore,
+                               initial_digest, jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
 from swarmd.stage.executor import Executor, QueueFull, join_threads
 from swarmd.stage.limits import Slots, StageLimits
@@ -113,7 +113,8 @@ class StageService:
         self.microbatches = spec.batch.microbatches_per_step
         self.core = StageCore(peer_id, address, CoreConfig(
             self.microbatches, limits.missing_grace_s, limits.resume_after_s, defer_s=limits.defer_s,
-            bench_s=limits.bench_s, bench_max_s=limits.bench_max_s, exact=limits.aggregate != CENTERED_CLIP),
+            bench_s=limits.bench_s, bench_max_s=limits.bench_max_s, exact=limits.aggregate != CENTERED_CLIP,
+            idle_after_steps=limits.idle_after_steps, idle_catch_up_s=limits.idle_catch_up_s),
             delayed=spec.pipeline.delayed_updates)
         self.records: deque[StepRecord] = deque(maxlen=limits.records_kept)
         self.sync = StageSync(self)
@@ -140,6 +141,9 @@ class StageService:
         self._state_epoch = 0
         # The parameters of the step committed last, kept for late calls of that step (replays).
         self._previous: Previous | None = None
+        # Downloads of a mate's state after joining (`catch_up`), shown by stage.info: an idle peer
+        # makes one every idle_catch_up_s rather than one a step.
+        self.catch_ups = 0
 
     @property
     def state(self) -> Phase:
@@ -250,17 +254,20 @@ class StageService:
     async def _join(self) -> None:
         self._state_digest = initial_digest(self.spec.seed, self.stage_index)
         self.core.replaced(0, self._state_digest)
-        mates = [m for m in await self.sync.poll() if m.state == Phase.SERVING]
-        if mates:
-            ordered = sorted(mates, key=lambda m: -m.step)
-            if await self._download([(m.peer_id, m.addr) for m in ordered]):
-                return
-        if self.state_dir is not None:
-            snapshot = await asyncio.to_thread(ckpt.newest_checkpoint, self.state_dir, self.stage_index)
-            if snapshot is not None:
-                snapshot.digest = await self.in_aux(content_digest, snapshot)
-                await self._apply(snapshot)
-                log.info("stage %d restored checkpoint of step %d", self.stage_index, snapshot.step)
+        try:
+            mates = [m for m in await self.sync.poll() if m.state == Phase.SERVING]
+            if mates:
+                ordered = sorted(mates, key=lambda m: -m.step)
+                if await self._download([(m.peer_id, m.addr) for m in ordered]):
+                    return
+            if self.state_dir is not None:
+                snapshot = await asyncio.to_thread(ckpt.newest_checkpoint, self.state_dir, self.stage_index)
+                if snapshot is not None:
+                    snapshot.digest = await self.in_aux(content_digest, snapshot)
+                    await self._apply(snapshot)
+                    log.info("stage %d restored checkpoint of step %d", self.stage_index, snapshot.step)
+        finally:
+            self.core.worked(self.core.step)  # a newcomer is not idle before work could reach it
 
     async def catch_up(self, download: Download) -> None:
         """The core says our state is not the stage's (a mate is ahead, or the visible peers at our
@@ -268,7 +275,8 @@ class StageService:
         log.info("stage %d at step %d downloads: %s", self.stage_index, self.committed, download.reason)
         self.state = Phase.JOINING
         try:
-            await self._download(list(download.sources))
+            if await self._download(list(download.sources)):
+                self.catch_ups += 1
         finally:
             if self.state == Phase.JOINING:
                 self.state = Phase.SERVING
@@ -366,6 +374,9 @@ class StageService:
         newer `not_ready` (this peer lags its mates: the trainer asks another)."""
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
+        if self.core.behind():
+            raise not_ready(f"this peer is behind its stage-mates (at step {self.committed}, idle: it catches up "
+                            f"every {self.limits.idle_catch_up_s:g} s, idle_catch_up_s); evaluate on another")
         version, samples = req.meta.get("version"), req.meta.get("samples")
         if type(version) is not int or version < 0 or type(samples) is not int:
             raise bad_input("stage.evaluate needs int 'version' >= 0 and int 'samples'")
@@ -498,6 +509,7 @@ class StageService:
         True: the step was just committed and this peer still holds its parameters (a replay)."""
         loop = asyncio.get_running_loop()
         ahead = 1 if self.spec.pipeline.delayed_updates else 0
+        self._wanted(step)
         while True:
             committed = self.committed
             if step < committed:
@@ -534,6 +546,17 @@ class StageService:
                     if wake >= until:
                         raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
                                         f"and did not commit in time") from None
+
+    def _wanted(self, step: int) -> None:
+        """Tell the core a call for `step` came. An idle peer behind it (`StageCore.wanted`) starts
+        catching up now, in a task of the stage's (the call, parked below like any call for a later
+        step, must not cancel it by leaving); its state says `joining` at once, so the sync loop
+        does not download as well."""
+        held = self.accumulator.progress(self.committed).ids
+        download = self.core.wanted(asyncio.get_running_loop().time(), step, held)
+        if download is not None:
+            self.state = Phase.JOINING
+            self.spawn(self.catch_up(download), "catch-up for a call")
 
     async def _resume_at(self, target: int) -> Look:
         """Skip the steps this stage lost, when the rest of the swarm shows they were committed.
@@ -644,7 +667,8 @@ class StageService:
         progress = self.accumulator.progress(self.committed) if self.state != "stopped" else None
         last = asdict(self.records[-1]) if self.records else None
         return Message({
-            "step": self.committed, "state": str(self.state), "digest": self.digest, "queue": self.executor.depth,
+            "step": self.committed, "state": BEHIND if self.core.behind() else str(self.state), "digest": self.digest,
+            "queue": self.executor.depth, "catch_ups": self.catch_ups,
             "accumulated_samples": progress.samples if progress else 0,
             "samples_per_s": self.executor.samples_per_s,
             "missing": self.sync.missing, "uncovered": self.sync.uncovered,
