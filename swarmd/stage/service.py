@@ -348,6 +348,8 @@ class StageService:
             raise bad_input("the last stage answers stage.forward_backward, not stage.forward")
         answer, admitted = await self._compute_call(req, FORWARD)
         meta = {"replayed": admitted.get("replayed", False), "version": admitted["version"]}
+        if "caught_up_s" in admitted:
+            meta["caught_up_s"] = admitted["caught_up_s"]
         return Message(meta, [answer.tensor], codec=self.spec.wire.activations)
 
     async def backward(self, req: Request) -> Message:
@@ -413,7 +415,9 @@ class StageService:
     async def _compute_call(self, req: Request, kind: str) -> tuple[Any, dict[str, Any]]:
         """Run one call; returns its answer and the reply's admission meta (`duplicate`: this peer
         already held the microbatch; `added`: this call's gradient went into its sum; `held_by_mate`:
-        a mate of its lineage holds or computes it, so it was not added here)."""
+        a mate of its lineage holds or computes it, so it was not added here; `caught_up_s`: this
+        idle peer first caught up with its mates for the call, so long: not its compute, which a
+        trainer's probe of a peer withheld for slowness judges, StageWiring.completed)."""
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         step, mb, samples = self._check_meta(req.meta)
@@ -421,10 +425,12 @@ class StageService:
         if version is not None and (type(version) is not int or version < 0):
             raise bad_input("version, when given, must be an int >= 0 (the one a forward reply named)")
         x, other = await self._check_tensors(kind, req.tensors, samples)
+        loop = asyncio.get_running_loop()
+        arrived, catching_up = loop.time(), self._wanted(step)
         replay = await self._gate(step, req.deadline, req.peer.peer_id)
+        gated_s = loop.time() - arrived
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
-        loop = asyncio.get_running_loop()
         admission = self.core.admit(loop.time(), step, mb) if kind != FORWARD and not replay else Admission.REPEAT
         # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
@@ -448,6 +454,8 @@ class StageService:
             raise
         admitted = {"duplicate": admission == Admission.REPEAT, "added": work.added,
                     "held_by_mate": admission == Admission.HELD_BY_MATE, "version": work.used}
+        if catching_up:
+            admitted["caught_up_s"] = gated_s
         return answer, {**admitted, "replayed": True} if replay else admitted
 
     def _settled(self, work: Work, epoch: int, future: asyncio.Future) -> None:
@@ -509,7 +517,6 @@ class StageService:
         True: the step was just committed and this peer still holds its parameters (a replay)."""
         loop = asyncio.get_running_loop()
         ahead = 1 if self.spec.pipeline.delayed_updates else 0
-        self._wanted(step)
         while True:
             committed = self.committed
             if step < committed:
@@ -547,16 +554,18 @@ class StageService:
                         raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
                                         f"and did not commit in time") from None
 
-    def _wanted(self, step: int) -> None:
-        """Tell the core a call for `step` came. An idle peer behind it (`StageCore.wanted`) starts
-        catching up now, in a task of the stage's (the call, parked below like any call for a later
-        step, must not cancel it by leaving); its state says `joining` at once, so the sync loop
-        does not download as well."""
+    def _wanted(self, step: int) -> bool:
+        """Tell the core a call for `step` came; True when this peer, idle and behind it
+        (`StageCore.wanted`), starts catching up now, in a task of the stage's (the call, parked in
+        `_gate` like any call for a later step, must not cancel it by leaving). Its state says
+        `joining` at once, so the sync loop does not download as well."""
         held = self.accumulator.progress(self.committed).ids
         download = self.core.wanted(asyncio.get_running_loop().time(), step, held)
-        if download is not None:
-            self.state = Phase.JOINING
-            self.spawn(self.catch_up(download), "catch-up for a call")
+        if download is None:
+            return False
+        self.state = Phase.JOINING
+        self.spawn(self.catch_up(download), "catch-up for a call")
+        return True
 
     async def _resume_at(self, target: int) -> Look:
         """Skip the steps this stage lost, when the rest of the swarm shows they were committed.

@@ -39,6 +39,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from swarmd.directory import StagePeer
 
@@ -332,11 +333,18 @@ class StageWiring:
         wanted = self.config.timeout_factor * self.expected_seconds(peer_id, pick.samples, pick.kind)
         return min(max(wanted, self.config.timeout_floor_s), ceiling_s)
 
-    def completed(self, pick: Pick, elapsed_s: float) -> None:
+    def completed(self, pick: Pick, elapsed_s: float, caught_up_s: Any = None) -> None:
         """A whole RPC took `elapsed_s` of wall time: that is the peer's measured speed (a probe's
-        alone: the estimate of a slow peer is otherwise all from before it was withheld)."""
+        alone: the estimate of a slow peer is otherwise all from before it was withheld). A probe's
+        reply may say the peer first spent `caught_up_s` catching up with its mates (idle while
+        withheld, it downloads their state only now and then: docs/stage-rpc.md); that is taken
+        off, else a peer that recovered is judged on a download at every probe and stays withheld.
+        Only a probe's: the figure is the peer's word, and it buys one judgement, not every call's."""
         if pick.probe:
             self._speed.pop(pick.peer.peer_id, None)
+            if isinstance(caught_up_s, (int, float)) and not isinstance(caught_up_s, bool) \
+                    and 0 <= caught_up_s < elapsed_s:
+                elapsed_s -= caught_up_s
         self._measure(pick, elapsed_s)
         self._strikes.pop(pick.peer.peer_id, None)
 

@@ -89,8 +89,9 @@ async def test_an_idle_peer_stops_downloading_each_step_and_catches_up_every_idl
 async def test_a_call_for_a_later_step_waits_for_the_catch_up_and_answers_on_the_mates_parameters(kit, client):
     """Steps: as above until B is behind (its next lazy catch-up a minute away), then a forward and
     a backward of A's current step to B, as a trainer's probe. Expected: each waits for B's one
-    download and succeeds (the backward adds its gradient); the forward's activations equal A's
-    for the same input bit for bit, and B then holds A's state."""
+    download and succeeds (the backward adds its gradient); the forward's reply says how long B
+    caught up first, its activations equal A's for the same input bit for bit, and B then holds
+    A's state."""
     a, b = await start(kit, idle_catch_up_s=60.0)
     try:
         step = await drive_until_behind(kit, client, a, b)
@@ -99,6 +100,8 @@ async def test_a_call_for_a_later_step_waits_for_the_catch_up_and_answers_on_the
         on_b = await kit.call(client, b, "stage.forward", STAGE, step, step * 4, [x])
         on_a = await kit.call(client, a, "stage.forward", STAGE, step, step * 4, [x])
         assert on_b.meta["version"] == on_a.meta["version"] == step
+        # How long B caught up first, for a trainer's probe not to be judged on it; A did not.
+        assert on_b.meta["caught_up_s"] > 0 and "caught_up_s" not in on_a.meta
         assert torch.equal(on_b.tensors[0], on_a.tensors[0])
         assert b.service.catch_ups == downloads + 1 and b.service.committed == step
         assert same_state(a, b)

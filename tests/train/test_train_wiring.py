@@ -305,6 +305,31 @@ def test_a_peer_far_slower_than_its_mates_gets_no_work_but_a_probe():
     assert slow.withheld(NOW) == set() and slow.choose(10, Kind.FORWARD, NOW).peer.peer_id == b"b"
 
 
+def test_a_probe_is_not_judged_on_the_peers_catch_up():
+    """Steps: b measured 10x slower than a and withheld; its probe comes back in 0.5 s, of which
+    the reply says 0.4 s went to catching up with its mates (an idle peer downloads their state
+    when work comes back); then the same with a claim that is not a number in [0, elapsed), and
+    a non-probe call of a claiming 0.09 of 0.1 s. Expected: b is judged on 0.1 s (a's pace: no
+    longer withheld); the bad claims are ignored (b stays withheld); a non-probe is judged on its
+    whole elapsed time."""
+    config = WiringConfig(seed=1, slow_probe_s=20.0)
+    for claim, withheld in ((0.4, set()), (True, {b"b"}), (0.5, {b"b"}), (-1.0, {b"b"}), ("0.4", {b"b"})):
+        stage = stage_of("ab", config)
+        measure(stage, "a", samples_per_s=100)
+        measure(stage, "b", samples_per_s=10, times=config.slow_window)
+        assert stage.withheld(NOW) == {b"b"}  # its probe is due slow_probe_s from now
+        # a's picks move its key past b's, whose probe then comes.
+        probe = next(p for p in (stage.choose(10, Kind.FORWARD, NOW + 20.0) for _ in range(100)) if p.probe)
+        assert probe.peer.peer_id == b"b"
+        stage.completed(probe, 0.5, caught_up_s=claim)
+        assert stage.withheld(NOW + 20.0) == withheld, claim
+    before = stage.samples_per_s(b"a")
+    pick = stage.choose(10, Kind.FORWARD, NOW + 20.0, exclude=frozenset({b"b"}))
+    assert pick.peer.peer_id == b"a" and not pick.probe
+    stage.completed(pick, 0.1, caught_up_s=0.09)
+    assert stage.samples_per_s(b"a") == pytest.approx(before)  # judged on 0.1 s: 100 samples/s, as before
+
+
 def test_a_newcomers_cold_first_replies_do_not_withhold_it():
     """Steps: a measured at 100 samples/s; newcomer b's first two replies are 20x and 10x slower (a
     fresh process's connection and lazy initialisation), then b answers at a's pace; separately
