@@ -168,6 +168,7 @@ class StageService:
         except BaseException:
             self.server.remove(self)
             raise
+        self.core.worked(self.committed)  # a newcomer is not idle before work could reach it
         name = f"{self.job_id.hex()[:16]}/{self.stage_index}"
         self._tasks.spawn(self.supervisor.run(f"{name} executor", self.executor.run), "executor")
         self._tasks.spawn(self.supervisor.run(f"{name} sync", self.sync.run), "sync")
@@ -254,20 +255,17 @@ class StageService:
     async def _join(self) -> None:
         self._state_digest = initial_digest(self.spec.seed, self.stage_index)
         self.core.replaced(0, self._state_digest)
-        try:
-            mates = [m for m in await self.sync.poll() if m.state == Phase.SERVING]
-            if mates:
-                ordered = sorted(mates, key=lambda m: -m.step)
-                if await self._download([(m.peer_id, m.addr) for m in ordered]):
-                    return
-            if self.state_dir is not None:
-                snapshot = await asyncio.to_thread(ckpt.newest_checkpoint, self.state_dir, self.stage_index)
-                if snapshot is not None:
-                    snapshot.digest = await self.in_aux(content_digest, snapshot)
-                    await self._apply(snapshot)
-                    log.info("stage %d restored checkpoint of step %d", self.stage_index, snapshot.step)
-        finally:
-            self.core.worked(self.core.step)  # a newcomer is not idle before work could reach it
+        mates = [m for m in await self.sync.poll() if m.state == Phase.SERVING]
+        if mates:
+            ordered = sorted(mates, key=lambda m: -m.step)
+            if await self._download([(m.peer_id, m.addr) for m in ordered]):
+                return
+        if self.state_dir is not None:
+            snapshot = await asyncio.to_thread(ckpt.newest_checkpoint, self.state_dir, self.stage_index)
+            if snapshot is not None:
+                snapshot.digest = await self.in_aux(content_digest, snapshot)
+                await self._apply(snapshot)
+                log.info("stage %d restored checkpoint of step %d", self.stage_index, snapshot.step)
 
     async def catch_up(self, download: Download) -> None:
         """The core says our state is not the stage's (a mate is ahead, or the visible peers at our
@@ -676,8 +674,8 @@ class StageService:
         progress = self.accumulator.progress(self.committed) if self.state != "stopped" else None
         last = asdict(self.records[-1]) if self.records else None
         return Message({
-            "step": self.committed, "state": BEHIND if self.core.behind() else str(self.state), "digest": self.digest,
-            "queue": self.executor.depth, "catch_ups": self.catch_ups,
+            "step": self.committed, "state": BEHIND if self.core.behind() else str(self.state),
+            "digest": self.digest, "queue": self.executor.depth, "catch_ups": self.catch_ups,
             "accumulated_samples": progress.samples if progress else 0,
             "samples_per_s": self.executor.samples_per_s,
             "missing": self.sync.missing, "uncovered": self.sync.uncovered,
