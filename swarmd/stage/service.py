@@ -708,9 +708,12 @@ class StageService:
 
     async def state_stream(self, req: Request) -> AsyncIterator[Message]:
         """`stage.state`: this peer's state for a joiner, in one of the `streams` slots, ended
-        (its slot and copy freed) when the reader stops taking it (`StallWatch`)."""
+        (its slot and copy freed) when the reader stops taking it (`StallWatch`); refused while
+        this peer is behind its mates (idle: StageCore.behind)."""
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
+        if self.core.behind():  # a joiner or an export must not take an old state for its stage's
+            raise busy(f"this peer is behind its stage-mates (at step {self.committed}): download from one of them")
         with self.streams.hold(req.peer.peer_id):
             snapshot = await self.in_aux(self.snapshot)
             watch = StallWatch(self.limits.state_stall_s, self.limits.state_min_rate_bytes_s,

@@ -2,7 +2,7 @@
 call for `idle_after_steps` of its steps (the trainers withhold it for slowness) stops downloading
 its stage's state every step its mates commit, catches up every `idle_catch_up_s` instead, and at
 once when a compute call for a later step comes (the call waits for it). Meanwhile stage.info shows
-it `behind`, and stage.evaluate refuses it. Real peers on loopback: A gets every microbatch, B none
+it `behind`, and stage.evaluate and stage.state refuse it. Real peers on loopback: A gets every microbatch, B none
 (as a withheld peer), a 3-stage job's middle stage with Adam (optimizer state is downloaded too)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from waiting import until
 
 from swarmd.directory import StaticDirectory
+from swarmd.stage.state import download
 from transport.errors import RemoteError
 from transport.rpc import Message
 
@@ -112,9 +113,12 @@ async def test_a_call_for_a_later_step_waits_for_the_catch_up_and_answers_on_the
         await b.close()
 
 
-async def test_a_peer_behind_refuses_evaluation(kit, client):
-    """Steps: as above until B is behind; stage.evaluate of B's own step on B and on A. Expected:
-    B refuses it `not_ready`, saying it is behind (a trainer asks another peer), A answers."""
+async def test_a_peer_behind_refuses_evaluation_and_its_state(kit, client):
+    """Steps: as above until B is behind; stage.evaluate of B's own step on B and on A; a download
+    of the stage's state (`stage.state`, what a joiner or an export reads) from B and from A.
+    Expected: B refuses both, saying it is behind (evaluation `not_ready`: a trainer asks another;
+    the state `busy`: a reader tries another peer), so no one takes its old parameters for its
+    stage's; A answers both, its state at its step."""
     a, b = await start(kit, idle_catch_up_s=60.0)
     try:
         await drive_until_behind(kit, client, a, b)
@@ -127,6 +131,12 @@ async def test_a_peer_behind_refuses_evaluation(kit, client):
             assert exc.code == "not_ready" and "behind" in exc.message
         meta["version"] = a.service.committed
         assert (await client.call(a.addr, "stage.evaluate", Message(meta, [x], codec="none"), timeout=5)).tensors
+        try:
+            await download(client, b.addr, kit.JOB, STAGE, b.service.stage, 10)
+            raise AssertionError("a peer behind its mates served its state")
+        except RemoteError as exc:
+            assert exc.code == "busy" and "behind" in exc.message
+        assert (await download(client, a.addr, kit.JOB, STAGE, a.service.stage, 10)).step == a.service.committed
     finally:
         await a.close()
         await b.close()
