@@ -413,7 +413,7 @@ class StageCore:
         loop's: it is at most a step behind, and the call waits for its commit or download)."""
         was_idle = self.idle()
         self.worked(step)
-        if not was_idle or self.accepts(step):
+        if not was_idle or step < self.step or self.accepts(step):
             return None
         action = self.decide(now, held)
         return action if isinstance(action, Download) else None
