@@ -183,6 +183,10 @@ class CoreConfig:
     # every idle_catch_up_s instead of every step (StageLimits says why).
     idle_after_steps: int = 4
     idle_catch_up_s: float = 10.0
+    # The job's steps (spec.steps; None: no end known). Mates there mean the job is done: an idle
+    # peer then catches up at once, since no work will come and its state is what the job leaves
+    # behind (its final checkpoint, an export).
+    job_steps: int | None = None
 
 
 @dataclass
@@ -333,7 +337,8 @@ class StageCore:
         ahead = [m for m in serving if m.step > self.step]
         agreeing = any(m.step == self.step and m.digest == self.digest for m in serving)
         if len(ahead) >= 2 or (ahead and (not agreeing or now - self._active_at >= self.config.resume_after_s)):
-            if self.idle() and now - self._catch_up_at < self.config.idle_catch_up_s:
+            done = self.config.job_steps is not None and max(m.step for m in ahead) >= self.config.job_steps
+            if self.idle() and now - self._catch_up_at < self.config.idle_catch_up_s and not done:
                 return None  # idle: it catches up lazily (a call for a later step makes it: `wanted`)
             self._catch_up_at = now
             # Steps two mates claim first (highest first), then lone claims: a peer that makes up

@@ -85,7 +85,8 @@ class StageLimits:
     # every slow_probe_s = 20 s, or all of the work when its mates die) then waits for one download
     # of a state at most this old, and a stage whose working peers all die at once loses at most
     # this many seconds of steps with them (a far-behind survivor takes the swarm's step up,
-    # `resume_after_s`). 10 s: a download or two per probe period, instead of one per step.
+    # `resume_after_s`). 10 s: a download or two per probe period, instead of one per step. (Once
+    # its mates finished the job it catches up at once: its state is what the job leaves behind.)
     idle_catch_up_s: float = 10.0
     # A peer invited into a round by a leader with a smaller id does not lead one itself for this
     # long, even where its own view misses that leader (asymmetric views): otherwise two leaders

@@ -114,7 +114,7 @@ class StageService:
         self.core = StageCore(peer_id, address, CoreConfig(
             self.microbatches, limits.missing_grace_s, limits.resume_after_s, defer_s=limits.defer_s,
             bench_s=limits.bench_s, bench_max_s=limits.bench_max_s, exact=limits.aggregate != CENTERED_CLIP,
-            idle_after_steps=limits.idle_after_steps, idle_catch_up_s=limits.idle_catch_up_s),
+            idle_after_steps=limits.idle_after_steps, idle_catch_up_s=limits.idle_catch_up_s, job_steps=spec.steps),
             delayed=spec.pipeline.delayed_updates)
         self.records: deque[StepRecord] = deque(maxlen=limits.records_kept)
         self.sync = StageSync(self)

@@ -297,3 +297,20 @@ def test_an_idle_peer_downloads_only_every_idle_catch_up_s_or_when_a_call_brings
     busy.worked(0)
     busy.observe(0.0, [mate(2, step=1)], [], ahead)
     assert busy.wanted(0.0, 1, frozenset()) is None and isinstance(busy.decide(0.0, frozenset()), Download)
+
+
+def test_an_idle_peer_catches_up_at_once_when_its_mates_finished_the_job():
+    """Steps: an idle peer of a 10-step job behind a mate at step 8, then at step 10 (done).
+    Expected: lazy at 8 (within idle_catch_up_s of its last download); at 10 it downloads at once:
+    no work will come, and its state is what the job leaves behind."""
+    c = StageCore(b"\x01" * 4, "p1", CoreConfig(4, idle_after_steps=2, idle_catch_up_s=30.0, job_steps=10))
+    c.replaced(3, D0)  # no call since step 0
+    c.phase = Phase.SERVING
+    ahead = [bytes([2]) * 4]
+    c.observe(0.0, [mate(2, step=5)], [], ahead)
+    assert c.idle() and isinstance(c.decide(0.0, frozenset()), Download)
+    c.replaced(5, D0)
+    c.observe(1.0, [mate(2, step=8)], [], ahead)
+    assert c.decide(1.0, frozenset()) is None and c.behind()
+    c.observe(2.0, [mate(2, step=10)], [], ahead)
+    assert isinstance(c.decide(2.0, frozenset()), Download)
