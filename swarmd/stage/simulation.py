@@ -182,7 +182,7 @@ class StageSimulation:
     def _core(self, i: int) -> StageCore:
         core = StageCore(bytes([i + 1]) * 8, f"p{i}", CoreConfig(
             self.s.microbatches, missing_grace_s=1.0, resume_after_s=1.0, defer_s=0.3, bench_s=0.3, bench_max_s=4.0,
-            idle_after_steps=self.s.idle_after_steps, idle_catch_up_s=self.s.idle_catch_up_s))
+            idle_after_steps=self.s.idle_after_steps, idle_catch_up_s=self.s.idle_catch_up_s, job_steps=self.s.steps))
         core.replaced(0, initial_digest(0, 1))
         core.phase = Phase.SERVING
         return core
