@@ -398,8 +398,11 @@ class StageCore:
 
     def worked(self, step: int) -> None:
         """A compute call for `step` reached this peer, or it joined at `step`: it is not idle until
-        `idle_after_steps` more of its steps pass without one (a newcomer gets its chance)."""
-        self._work_step = max(self._work_step, step)
+        `idle_after_steps` more of its steps pass without one (a newcomer gets its chance). A step
+        past every one in view counts as the one after the furthest (a stranger's call may name
+        any step: it must not keep this peer from ever going idle)."""
+        furthest = max([self.step, *(m.step for m in self._mates.values())])
+        self._work_step = max(self._work_step, min(step, furthest + 1))
 
     def idle(self) -> bool:
         """No compute call for `idle_after_steps` of this peer's steps: it holds nothing its mates

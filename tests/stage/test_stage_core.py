@@ -269,7 +269,8 @@ def test_an_idle_peer_downloads_only_every_idle_catch_up_s_or_when_a_call_brings
     separately a busy peer gets a call for a step past its own. Expected: it downloads while not
     idle; idle, it downloads no sooner than idle_catch_up_s (3 s) after its last download, showing
     behind meanwhile; the old step's call changes nothing; the mate's step's call ends the idleness
-    and brings the download at once; the busy peer's call brings none (its catch-ups stay the
+    and brings the download at once; a call for a far step keeps it from going idle no longer than
+    one for the step after its mate's; the busy peer's call brings none (its catch-ups stay the
     sync loop's)."""
     c = StageCore(b"\x01" * 4, "p1", CoreConfig(4, idle_after_steps=2, idle_catch_up_s=3.0))
     c.replaced(0, D0)
@@ -292,6 +293,14 @@ def test_an_idle_peer_downloads_only_every_idle_catch_up_s_or_when_a_call_brings
     download = c.wanted(9.1, 9, frozenset())
     assert isinstance(download, Download) and download.sources[0][0] == ahead[0]
     assert not c.idle() and not c.behind()
+
+    # A stranger's call for a far step counts as one for the step after the furthest in view.
+    c.replaced(9, D0)
+    assert c.wanted(9.2, 10**9, frozenset()) is None
+    c.replaced(11, D0)
+    assert not c.idle()
+    c.replaced(12, D0)  # idle_after_steps past step 10
+    assert c.idle()
 
     busy = core(3)
     busy.worked(0)
