@@ -201,8 +201,11 @@ def window_figures(run: Run, name: str, global_samples: int) -> dict[str, Any]:
     known = [(s, d) for s, d in records if s >= 0 and d >= 0]
     lost = sum(e.get("answers_lost", 0) for e in steps)
     once = all(s == global_samples and d == 0 for s, d in known)
+    # `from`/`to`: the window in wall-clock seconds, to read the daemons' logs by (e.g. the slow
+    # peer's downloads in its window, docs/chaos.md).
     return {"samples_per_s": len(steps) * global_samples / (end - start), "steps": len(steps),
-            "window_s": round(end - start, 2), "exact": once and lost == 0 and bool(steps),
+            "window_s": round(end - start, 2), "from": round(start, 3), "to": round(end, 3),
+            "exact": once and lost == 0 and bool(steps),
             "answers_lost": lost, "duplicates": sum(d for _, d in known),
             "unknown_records": len(records) - len(known), "retries": sum(e.get("retries", 0) for e in steps),
             "taken_over": sum(e.get("taken_over", 0) for e in steps)}

@@ -61,7 +61,8 @@ def answered(meta: Any) -> Probe:
     """A `stage.info` answer, checked at this edge: a field out of the announcement's schema is dropped."""
     meta = meta if isinstance(meta, dict) else {}
     step, rate = meta.get("step"), meta.get("samples_per_s")
-    return Probe(True, meta.get("state") == "serving",
+    # `behind`: a serving peer, idle, whose parameters lag its mates' (StageCore.behind): it serves.
+    return Probe(True, meta.get("state") in ("serving", "behind"),
                  step if type(step) is int and 0 <= step <= MAX_STEP else None,
                  float(rate) if type(rate) in (int, float) and math.isfinite(rate) and rate >= 0 else None)
 

@@ -44,6 +44,13 @@ class Phase(StrEnum):
     STOPPED = "stopped"
 
 
+#: What `stage.info` shows as the state of a serving peer that is idle and behind a mate
+#: (`StageCore.behind`): a view of the serving phase, not a phase of its own (it is announced and
+#: polled as serving, and takes work), so trainers neither count its old step as its stage's nor
+#: evaluate on it (swarmd/train/progress.py `voters`).
+BEHIND = "behind"
+
+
 class Admission(Enum):
     """What a compute call that may add a gradient does with it."""
 
@@ -172,6 +179,14 @@ class CoreConfig:
     # The exact mean (I1): a mate's copy makes a call redundant. False with a robust aggregate,
     # where every copy is one more opinion (a hostile holder must not be the only one).
     exact: bool = True
+    # An idle peer (no compute call for this many of its steps) catches up with its mates at most
+    # every idle_catch_up_s instead of every step (StageLimits says why).
+    idle_after_steps: int = 4
+    idle_catch_up_s: float = 10.0
+    # The job's steps (spec.steps; None: no end known). Mates there mean the job is done: an idle
+    # peer then catches up at once, since no work will come and its state is what the job leaves
+    # behind (its final checkpoint, an export).
+    job_steps: int | None = None
 
 
 @dataclass
@@ -207,6 +222,8 @@ class StageCore:
     _polled_last: bytes = b""  # the round robin's place (`to_poll`)
     _last_round: tuple[float, frozenset[bytes]] = (float("-inf"), frozenset())  # (when, members) of our last commit
     _active_at: float = 0.0  # when a new microbatch of this step last reached this peer or its lineage
+    _work_step: int = 0  # the latest step a compute call reached this peer for (or it joined at)
+    _catch_up_at: float = float("-inf")  # when this peer last decided to download from a mate ahead
 
     # ------------------------------------------------------------------ compute calls
 
@@ -320,6 +337,10 @@ class StageCore:
         ahead = [m for m in serving if m.step > self.step]
         agreeing = any(m.step == self.step and m.digest == self.digest for m in serving)
         if len(ahead) >= 2 or (ahead and (not agreeing or now - self._active_at >= self.config.resume_after_s)):
+            done = self.config.job_steps is not None and max(m.step for m in ahead) >= self.config.job_steps
+            if self.idle() and now - self._catch_up_at < self.config.idle_catch_up_s and not done:
+                return None  # idle: it catches up lazily (a call for a later step makes it: `wanted`)
+            self._catch_up_at = now
             # Steps two mates claim first (highest first), then lone claims: a peer that makes up
             # a far step is not the first one downloaded from while others are ahead too.
             backed = {m.step for m in ahead if sum(o.step == m.step for o in ahead) >= 2}
@@ -372,6 +393,38 @@ class StageCore:
         self.missing = sorted(self._seen - union - shielded)
         self.uncovered = sorted(step_ids - union - shielded)
         return step_ids <= union
+
+    # ------------------------------------------------------------------ idle peers
+
+    def worked(self, step: int) -> None:
+        """A compute call for `step` reached this peer, or it joined at `step`: it is not idle until
+        `idle_after_steps` more of its steps pass without one (a newcomer gets its chance). A step
+        past every one in view counts as the one after the furthest (a stranger's call may name
+        any step: it must not keep this peer from ever going idle)."""
+        furthest = max([self.step, *(m.step for m in self._mates.values())])
+        self._work_step = max(self._work_step, min(step, furthest + 1))
+
+    def idle(self) -> bool:
+        """No compute call for `idle_after_steps` of this peer's steps: it holds nothing its mates
+        need, so it catches up every `idle_catch_up_s` instead of every step (`decide`)."""
+        return self.step - self._work_step >= self.config.idle_after_steps
+
+    def behind(self) -> bool:
+        """Idle and serving with a mate ahead: its parameters are older than its stage's (shown as
+        `behind` to trainers, who then neither count its step nor evaluate on it)."""
+        return self.phase == Phase.SERVING and self.idle() and self.mate_ahead()
+
+    def wanted(self, now: float, step: int, held: frozenset[int]) -> Download | None:
+        """A compute call for `step` arrived: work came back, so this peer is not idle. When it was,
+        and `step` is past the steps it accepts while the views at hand put a mate ahead, the
+        Download to make now, which the call waits for (a busy peer's catch-ups stay the sync
+        loop's: it is at most a step behind, and the call waits for its commit or download)."""
+        was_idle = self.idle()
+        self.worked(step)
+        if not was_idle or step < self.step or self.accepts(step):
+            return None
+        action = self.decide(now, held)
+        return action if isinstance(action, Download) else None
 
     # ------------------------------------------------------------------ rounds
 

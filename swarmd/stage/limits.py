@@ -76,6 +76,20 @@ class StageLimits:
     # a mate ahead can be hidden for a moment (a directory read that missed it, a poll that timed
     # out), and a peer that merely lags must download its state, never jump past the updates.
     resume_after_s: float = 10.0
+    # A peer that got no compute call for this many of its consecutive steps is idle (a peer the
+    # trainers withhold for slowness, or one more than the microbatches in flight need): it stops
+    # downloading its stage's state every step its mates commit (parameters and optimizer state,
+    # served by a mate, about 3x its all-reduce share for Adam) and catches up lazily instead. 4
+    # steps outlast a step or two without work by chance (a trainer's pick, a re-send elsewhere);
+    # a compute call for a later step makes it catch up at once, the call waiting for it.
+    idle_after_steps: int = 4
+    # An idle peer still catches up at least this often: a call that comes back (a trainer's probe,
+    # every slow_probe_s = 20 s, or all of the work when its mates die) then waits for one download
+    # of a state at most this old, and a stage whose working peers all die at once loses at most
+    # this many seconds of steps with them (a far-behind survivor takes the swarm's step up,
+    # `resume_after_s`). 10 s: a download or two per probe period, instead of one per step. (Once
+    # its mates finished the job it catches up at once: its state is what the job leaves behind.)
+    idle_catch_up_s: float = 10.0
     # A peer invited into a round by a leader with a smaller id does not lead one itself for this
     # long, even where its own view misses that leader (asymmetric views): otherwise two leaders
     # that each see a different member set refuse each other's rounds on every poll.

@@ -33,8 +33,8 @@ import swarmd.stage.checkpoint as ckpt
 from swarmd.stage.accumulator import Accumulator
 from swarmd.stage.compute import (BACKWARD, EVALUATE, FORWARD, FORWARD_BACKWARD, Lane, ParamGuard, Previous,
                                   StageCompute, Work)
-from swarmd.stage.core import (Admission, CoreConfig, Download, Phase, RoundPlan, StageCore, initial_digest,
-                               jump_digest, next_digest)
+from swarmd.stage.core import (BEHIND, Admission, CoreConfig, Download, Phase, RoundPlan, StageCore,
+                               initial_digest, jump_digest, next_digest)
 from swarmd.stage.errors import RoundFailed, StaleStep, bad_input, busy, not_ready
 from swarmd.stage.executor import Executor, QueueFull, join_threads
 from swarmd.stage.limits import Slots, StageLimits
@@ -113,7 +113,8 @@ class StageService:
         self.microbatches = spec.batch.microbatches_per_step
         self.core = StageCore(peer_id, address, CoreConfig(
             self.microbatches, limits.missing_grace_s, limits.resume_after_s, defer_s=limits.defer_s,
-            bench_s=limits.bench_s, bench_max_s=limits.bench_max_s, exact=limits.aggregate != CENTERED_CLIP),
+            bench_s=limits.bench_s, bench_max_s=limits.bench_max_s, exact=limits.aggregate != CENTERED_CLIP,
+            idle_after_steps=limits.idle_after_steps, idle_catch_up_s=limits.idle_catch_up_s, job_steps=spec.steps),
             delayed=spec.pipeline.delayed_updates)
         self.records: deque[StepRecord] = deque(maxlen=limits.records_kept)
         self.sync = StageSync(self)
@@ -140,6 +141,9 @@ class StageService:
         self._state_epoch = 0
         # The parameters of the step committed last, kept for late calls of that step (replays).
         self._previous: Previous | None = None
+        # Downloads of a mate's state after joining (`catch_up`), shown by stage.info: an idle peer
+        # makes one every idle_catch_up_s rather than one a step.
+        self.catch_ups = 0
 
     @property
     def state(self) -> Phase:
@@ -164,6 +168,7 @@ class StageService:
         except BaseException:
             self.server.remove(self)
             raise
+        self.core.worked(self.committed)  # a newcomer is not idle before work could reach it
         name = f"{self.job_id.hex()[:16]}/{self.stage_index}"
         self._tasks.spawn(self.supervisor.run(f"{name} executor", self.executor.run), "executor")
         self._tasks.spawn(self.supervisor.run(f"{name} sync", self.sync.run), "sync")
@@ -268,7 +273,8 @@ class StageService:
         log.info("stage %d at step %d downloads: %s", self.stage_index, self.committed, download.reason)
         self.state = Phase.JOINING
         try:
-            await self._download(list(download.sources))
+            if await self._download(list(download.sources)):
+                self.catch_ups += 1
         finally:
             if self.state == Phase.JOINING:
                 self.state = Phase.SERVING
@@ -340,6 +346,8 @@ class StageService:
             raise bad_input("the last stage answers stage.forward_backward, not stage.forward")
         answer, admitted = await self._compute_call(req, FORWARD)
         meta = {"replayed": admitted.get("replayed", False), "version": admitted["version"]}
+        if "caught_up_s" in admitted:
+            meta["caught_up_s"] = admitted["caught_up_s"]
         return Message(meta, [answer.tensor], codec=self.spec.wire.activations)
 
     async def backward(self, req: Request) -> Message:
@@ -366,6 +374,9 @@ class StageService:
         newer `not_ready` (this peer lags its mates: the trainer asks another)."""
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
+        if self.core.behind():
+            raise not_ready(f"this peer is behind its stage-mates (at step {self.committed}, idle: it catches up "
+                            f"every {self.limits.idle_catch_up_s:g} s, idle_catch_up_s); evaluate on another")
         version, samples = req.meta.get("version"), req.meta.get("samples")
         if type(version) is not int or version < 0 or type(samples) is not int:
             raise bad_input("stage.evaluate needs int 'version' >= 0 and int 'samples'")
@@ -402,7 +413,9 @@ class StageService:
     async def _compute_call(self, req: Request, kind: str) -> tuple[Any, dict[str, Any]]:
         """Run one call; returns its answer and the reply's admission meta (`duplicate`: this peer
         already held the microbatch; `added`: this call's gradient went into its sum; `held_by_mate`:
-        a mate of its lineage holds or computes it, so it was not added here)."""
+        a mate of its lineage holds or computes it, so it was not added here; `caught_up_s`: this
+        idle peer first caught up with its mates for the call, so long: not its compute, which a
+        trainer's probe of a peer withheld for slowness judges, StageWiring.completed)."""
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
         step, mb, samples = self._check_meta(req.meta)
@@ -410,10 +423,12 @@ class StageService:
         if version is not None and (type(version) is not int or version < 0):
             raise bad_input("version, when given, must be an int >= 0 (the one a forward reply named)")
         x, other = await self._check_tensors(kind, req.tensors, samples)
+        loop = asyncio.get_running_loop()
+        arrived, catching_up = loop.time(), self._wanted(step)
         replay = await self._gate(step, req.deadline, req.peer.peer_id)
+        gated_s = loop.time() - arrived
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
-        loop = asyncio.get_running_loop()
         admission = self.core.admit(loop.time(), step, mb) if kind != FORWARD and not replay else Admission.REPEAT
         # Batched losses are split per microbatch with `sample_losses`; a stage without it runs alone.
         solo = kind == FORWARD_BACKWARD and not hasattr(self.stage, "sample_losses")
@@ -437,6 +452,8 @@ class StageService:
             raise
         admitted = {"duplicate": admission == Admission.REPEAT, "added": work.added,
                     "held_by_mate": admission == Admission.HELD_BY_MATE, "version": work.used}
+        if catching_up:
+            admitted["caught_up_s"] = gated_s
         return answer, {**admitted, "replayed": True} if replay else admitted
 
     def _settled(self, work: Work, epoch: int, future: asyncio.Future) -> None:
@@ -534,6 +551,19 @@ class StageService:
                     if wake >= until:
                         raise not_ready(f"step {step} arrived; this peer has committed {self.committed} steps "
                                         f"and did not commit in time") from None
+
+    def _wanted(self, step: int) -> bool:
+        """Tell the core a call for `step` came; True when this peer, idle and behind it
+        (`StageCore.wanted`), starts catching up now, in a task of the stage's (the call, parked in
+        `_gate` like any call for a later step, must not cancel it by leaving). Its state says
+        `joining` at once, so the sync loop does not download as well."""
+        held = self.accumulator.progress(self.committed).ids
+        download = self.core.wanted(asyncio.get_running_loop().time(), step, held)
+        if download is None:
+            return False
+        self.state = Phase.JOINING
+        self.spawn(self.catch_up(download), "catch-up for a call")
+        return True
 
     async def _resume_at(self, target: int) -> Look:
         """Skip the steps this stage lost, when the rest of the swarm shows they were committed.
@@ -651,7 +681,8 @@ class StageService:
         progress = self.accumulator.progress(self.committed) if self.state != "stopped" else None
         last = asdict(self.records[-1]) if self.records else None
         return Message({
-            "step": self.committed, "state": str(self.state), "digest": self.digest, "queue": self.executor.depth,
+            "step": self.committed, "state": BEHIND if self.core.behind() else str(self.state),
+            "digest": self.digest, "queue": self.executor.depth, "catch_ups": self.catch_ups,
             "accumulated_samples": progress.samples if progress else 0,
             "samples_per_s": self.executor.samples_per_s,
             "missing": self.sync.missing, "uncovered": self.sync.uncovered,
@@ -683,9 +714,12 @@ class StageService:
 
     async def state_stream(self, req: Request) -> AsyncIterator[Message]:
         """`stage.state`: this peer's state for a joiner, in one of the `streams` slots, ended
-        (its slot and copy freed) when the reader stops taking it (`StallWatch`)."""
+        (its slot and copy freed) when the reader stops taking it (`StallWatch`); refused while
+        this peer is behind its mates (idle: StageCore.behind)."""
         if self.state != Phase.SERVING:
             raise busy(f"this peer is {self.state}")
+        if self.core.behind():  # a joiner or an export must not take an old state for its stage's
+            raise busy(f"this peer is behind its stage-mates (at step {self.committed}): download from one of them")
         with self.streams.hold(req.peer.peer_id):
             snapshot = await self.in_aux(self.snapshot)
             watch = StallWatch(self.limits.state_stall_s, self.limits.state_min_rate_bytes_s,

@@ -3,6 +3,7 @@
 Virtual time on an event heap, an in-memory network (latency, loss, one-way partitions that heal),
 split directory views, compute slower than the trainers' timeout, deaths and rejoins, a member
 whose round parts are slow for the whole run, a peer stopped (SIGSTOP) most of every short period,
+a peer the trainers withhold work from but for a probe now and then (idle: it catches up lazily),
 and trainers that time out, retry on another peer
 and re-send what the stage reports missing or uncovered. Every peer runs the real `StageCore`, the
 real `plan_round` and `choose_owners`, and the shell's round rules (sync.py: a phase deadline each
@@ -71,6 +72,13 @@ class Schedule:
     # would happen at it meanwhile (its ticks, computes, messages reaching it) happens when it runs
     # again. Its mates lead rounds without it when it holds nothing, and it catches up by download.
     stalled: tuple[int, float, float] | None = None
+    # (peer, probe_s): one peer the trainers send no work to (withheld for slowness, docs/trainer.md)
+    # but one probe call each every probe_s s, unless no other peer is alive. It is idle: it catches
+    # up with its mates every idle_catch_up_s, or at once for a probe of a later step.
+    withheld: tuple[int, float] | None = None
+    # The stage core's idle rule (StageLimits), at the simulator's time scale.
+    idle_after_steps: int = 2
+    idle_catch_up_s: float = 1.0
 
 
 def random_schedule(seed: int) -> Schedule:
@@ -104,6 +112,10 @@ def random_schedule(seed: int) -> Schedule:
     if peers > 1 and rng.random() < 0.2:  # drawn after the rest, likewise
         schedule = dataclasses.replace(schedule, stalled=(rng.randrange(peers), rng.uniform(0.1, 0.6),
                                                           rng.uniform(0.3, 0.8)))
+    # Drawn after the rest, likewise; never beside a member slow for good, with which it can stall
+    # the stage (idle rule or not): docs/stage-rpc.md, "Idle peers catch up lazily".
+    if peers > 1 and rng.random() < 0.25 and schedule.slow_member is None:
+        schedule = dataclasses.replace(schedule, withheld=(rng.randrange(peers), rng.uniform(0.3, 4.0)))
     return schedule
 
 
@@ -135,6 +147,7 @@ class _Peer:
     closed: set[bytes] = field(default_factory=set)
     free_at: float = 0.0
     inviting: bool = False  # the shell awaits its invitations before it polls again
+    downloads: int = 0  # states it downloaded from a mate (the idle rule's cost saved, per peer)
 
 
 @dataclass
@@ -145,6 +158,7 @@ class _Trainer:
     inflight: dict[int, int] = field(default_factory=dict)  # mb -> attempt
     done: set[int] = field(default_factory=set)
     uncovered_since: dict[int, float] = field(default_factory=dict)
+    probe_at: float = 0.0  # when its next call may go to the withheld peer
 
 
 class StageSimulation:
@@ -166,9 +180,9 @@ class StageSimulation:
     # ------------------------------------------------------------------ plumbing
 
     def _core(self, i: int) -> StageCore:
-        core = StageCore(bytes([i + 1]) * 8, f"p{i}", CoreConfig(self.s.microbatches, missing_grace_s=1.0,
-                                                                 resume_after_s=1.0, defer_s=0.3, bench_s=0.3,
-                                                                 bench_max_s=4.0))
+        core = StageCore(bytes([i + 1]) * 8, f"p{i}", CoreConfig(
+            self.s.microbatches, missing_grace_s=1.0, resume_after_s=1.0, defer_s=0.3, bench_s=0.3, bench_max_s=4.0,
+            idle_after_steps=self.s.idle_after_steps, idle_catch_up_s=self.s.idle_catch_up_s, job_steps=self.s.steps))
         core.replaced(0, initial_digest(0, 1))
         core.phase = Phase.SERVING
         return core
@@ -275,6 +289,7 @@ class StageSimulation:
         peer.sums, peer.taken, peer.round, peer.early, peer.closed = {}, {}, None, {}, set()
         peer.inviting, peer.free_at = False, self.now
         peer.core.replaced(len(peer.history), _checkpoint_digest(peer.history))
+        peer.core.worked(peer.core.step)  # as StageService._join: a newcomer is not idle at once
         self._note_digest(peer)
         self.at(self.s.sync_s, self._for(peer, self._tick), peer)
 
@@ -295,13 +310,26 @@ class StageSimulation:
             t.todo.discard(mb)
             attempt = next(self._attempts)
             t.inflight[mb] = attempt
-            targets = self.rng.sample(range(len(self.peers)), min(self.s.hedge, len(self.peers)))
-            for target in targets:
+            for target in self._targets(t):
                 if not self.peers[target].alive:
                     self.at(self.s.latency_s, self._reply, t, t.step, mb, attempt, "refused")
                 else:
                     self.send(None, target, self._call, target, t, t.step, mb, attempt)
             self.at(self.s.trainer_timeout_s, self._timed_out, t, t.step, mb, attempt)
+
+    def _targets(self, t: _Trainer) -> list[int]:
+        """Where one microbatch goes: `hedge` peers at random, never the withheld peer but for its
+        probe (then alone) or when no other peer is alive (the wiring's takeover of a lone peer)."""
+        choices = list(range(len(self.peers)))
+        if self.s.withheld is not None:
+            withheld, every = self.s.withheld
+            if self.now >= t.probe_at:
+                t.probe_at = self.now + every
+                self._count("probe")
+                return [withheld]
+            if any(p.alive for p in self.peers if p.index != withheld):
+                choices.remove(withheld)
+        return self.rng.sample(choices, min(self.s.hedge, len(choices)))
 
     def _timed_out(self, t: _Trainer, step: int, mb: int, attempt: int) -> None:
         if t.step == step and t.inflight.get(mb) == attempt:
@@ -362,7 +390,7 @@ class StageSimulation:
 
     # ------------------------------------------------------------------ compute calls
 
-    def _call(self, i: int, t: _Trainer, step: int, mb: int, attempt: int) -> None:
+    def _call(self, i: int, t: _Trainer, step: int, mb: int, attempt: int, parked: bool = False) -> None:
         peer = self.peers[i]
         core = peer.core
 
@@ -373,8 +401,16 @@ class StageSimulation:
             return answer("busy")
         if step < core.step:
             return answer("stale")
+        download = core.wanted(self.now, step, self._held(peer, core.step))
+        if download is not None:  # an idle peer behind the call's step catches up now
+            self._count("download: called")
+            self._download(peer, [self._index(pid) for pid, _ in download.sources])
         if not core.accepts(step):
-            return answer("not_ready")
+            if parked or core.phase != Phase.JOINING:
+                return answer("not_ready")
+            # It waits for the download it started (StageService._gate parks it), then is looked at again.
+            self.at(self.s.download_s + self.s.latency_s, self._for(peer, self._call), i, t, step, mb, attempt, True)
+            return
         if peer.free_at - self.now > 4 * self.s.compute_s[i] + self.s.trainer_timeout_s:
             return answer("busy")  # the executor's bounded queue (queue_size)
         admission = core.admit(self.now, step, mb)
@@ -429,6 +465,8 @@ class StageSimulation:
         self.at(self.s.sync_s, self._for(peer, self._tick), peer)
         core = peer.core
         core.observe(self.now, views, slow, list(ids), [self.peers[j].core.peer_id for j in polled])
+        if core.behind():
+            self._count("tick behind")
         if peer.inviting:
             return
         action = core.decide(self.now, self._held(peer, core.step))
@@ -461,6 +499,7 @@ class StageSimulation:
     def _downloaded(self, peer: _Peer, state: tuple) -> None:
         history, step, digest = state
         peer.history, peer.sums, peer.taken = history, {}, {}
+        peer.downloads += 1
         peer.core.replaced(step, digest)
         peer.core.phase = Phase.SERVING
         self._note_digest(peer)

@@ -36,8 +36,12 @@ def lower_median(values: list[int]) -> int | None:
 def voters(answers: dict[bytes, Info], trusted: set[bytes]) -> list[Info]:
     """The answers that decide for a stage: the serving peers' when any (a joining peer, e.g. one
     downloading its mates' state, or a draining one says nothing about the stage's step), and of
-    those the `trusted` peers' when any answered, else all of them."""
-    serving = {peer: info for peer, info in answers.items() if info.get("state") == "serving"} or answers
+    those the `trusted` peers' when any answered, else all of them. A peer `behind` (idle, it
+    catches up with its mates only every so often: docs/stage-rpc.md) never votes: its step is
+    older than its stage's by design, and counted it would hold the stage's step back (every id
+    then looks uncovered and is re-sent) or, as the lower median, stand for a commit."""
+    shown = {peer: info for peer, info in answers.items() if info.get("state") != "behind"}
+    serving = {peer: info for peer, info in shown.items() if info.get("state") == "serving"} or shown
     return [info for peer, info in serving.items() if peer in trusted] or list(serving.values())
 
 

@@ -504,7 +504,7 @@ class Trainer:
             else:
                 problem = await asyncio.to_thread(check_forward, reply, expected)
                 if problem is None:
-                    wiring.completed(pick, loop.time() - started)
+                    wiring.completed(pick, loop.time() - started, reply.meta.get("caught_up_s"))
                     self._served[stage].add(pick.peer.peer_id)
                     return pick.peer, reply.tensors[0]
                 self._ban(stage, pick.peer, f"stage.forward returned a bad reply: {problem}")
@@ -867,7 +867,7 @@ class Trainer:
             else:
                 problem = await asyncio.to_thread(check, reply)
                 if problem is None:
-                    wiring.completed(pick, loop.time() - started)
+                    wiring.completed(pick, loop.time() - started, reply.meta.get("caught_up_s"))
                     self._served[stage].add(peer.peer_id)
                     for refuser, why in attempts.refusers.values():
                         if refuser.peer_id != peer.peer_id:

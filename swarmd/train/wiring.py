@@ -40,6 +40,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from swarmd.directory import StagePeer
 
@@ -165,6 +166,9 @@ class Pick:
     kind: Kind
     samples: int
     probe: bool = False  # a withheld slow peer's probe: its reply replaces the peer's estimate
+    # A probe sent at once after one whose peer first caught up with its mates (`completed`): it is
+    # judged whatever its reply says.
+    recheck: bool = False
 
 
 @dataclass
@@ -319,14 +323,18 @@ class StageWiring:
         if chosen is None:
             return None
         probe = chosen in self._probe_at
+        recheck = probe and self._probe_at[chosen] == -math.inf
         if probe:
             # Withheld until now, its key stayed behind its mates': charged from where they are,
             # so a peer that turns out fast again is not handed a burst of work.
-            self._probe_at[chosen] = self._next_probe(chosen, now)
+            # A recheck repeats the probe before it (which found the peer catching up): the gap
+            # stays where that probe left it.
+            self._probe_at[chosen] = (now + self._probe_gap[chosen] if recheck and chosen in self._probe_gap
+                                      else self._next_probe(chosen, now))
             rest = [k for pid, k in self._key.items() if pid != chosen and pid not in excluded]
             self._key[chosen] = max(self._key[chosen], min(rest, default=self._key[chosen]))
         self._set_key(chosen, self._key[chosen] + self.expected_seconds(chosen, samples, kind))
-        return Pick(self._peers[chosen], kind, samples, probe)
+        return Pick(self._peers[chosen], kind, samples, probe, recheck)
 
     def again(self, peer_id: bytes, samples: int, kind: Kind, now: float) -> Pick | None:
         """The same peer once more (a retry of a call that timed out there: if it did complete,
@@ -351,13 +359,24 @@ class StageWiring:
         wanted = self.config.timeout_factor * self.expected_seconds(peer_id, pick.samples, pick.kind)
         return min(max(wanted, self.config.timeout_floor_s), ceiling_s)
 
-    def completed(self, pick: Pick, elapsed_s: float) -> None:
+    def completed(self, pick: Pick, elapsed_s: float, caught_up_s: Any = None) -> None:
         """A whole RPC took `elapsed_s` of wall time: that is the peer's measured speed (a probe's
-        alone: the estimate of a slow peer is otherwise all from before it was withheld)."""
+        alone: the estimate of a slow peer is otherwise all from before it was withheld). A probe
+        whose reply says the peer first caught up with its mates (`caught_up_s`: idle while
+        withheld, it downloads their state only now and then, docs/stage-rpc.md) is not judged:
+        the peer keeps its estimate and is probed again at once, now caught up, and judged on that
+        reply whatever it says. Judged on the first, a peer that recovered would pay a download at
+        every probe and stay withheld; with the wait taken off, a peer stopped most of the time
+        (SIGSTOP) would be judged on its running part alone, the stops hidden in its wait."""
+        peer_id = pick.peer.peer_id
+        self._strikes.pop(peer_id, None)
+        if pick.probe and not pick.recheck and isinstance(caught_up_s, (int, float)) \
+                and not isinstance(caught_up_s, bool) and caught_up_s > 0 and peer_id in self._probe_at:
+            self._probe_at[peer_id] = -math.inf
+            return
         if pick.probe:
-            self._speed.pop(pick.peer.peer_id, None)
+            self._speed.pop(peer_id, None)
         self._measure(pick, elapsed_s)
-        self._strikes.pop(pick.peer.peer_id, None)
 
     def timed_out(self, pick: Pick, elapsed_s: float, now: float) -> None:
         """No ban: the elapsed time is a lower bound of the peer's true cost, fed to its EMA capped

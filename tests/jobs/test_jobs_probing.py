@@ -72,6 +72,9 @@ def test_an_answer_carries_the_peers_step_and_rate_checked_at_the_edge() -> None
         probe = answered({"state": "serving", "step": bad_step, "samples_per_s": bad_rate})
         assert probe.serving and probe.step is None and probe.samples_per_s is None
     assert answered(["not", "a", "map"]) == answered({}) and not answered({}).serving
+    # An idle peer behind its mates (stage.info `behind`) serves its stage all the same.
+    assert answered({"state": "behind", "step": 12}).serving
+    assert not answered({"state": "joining", "step": 12}).serving
 
 
 async def test_stage_rows_show_what_peers_answered_over_their_announcements() -> None:

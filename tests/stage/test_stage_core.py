@@ -261,3 +261,65 @@ def test_a_lone_mate_ahead_is_believed_only_when_confirmed_or_when_this_step_wen
     liar, second, third = mate(3, step=1_000, digest=b"z" * 16), mate(4, step=1), mate(2, step=1)
     c.observe(0.0, [liar, second, third], [], peers)
     assert [p for p, _ in c.decide(0.0, frozenset()).sources] == [third.peer_id, second.peer_id, liar.peer_id]
+
+
+def test_an_idle_peer_downloads_only_every_idle_catch_up_s_or_when_a_call_brings_work_back():
+    """Steps: a peer with no compute call follows a mate ahead step by step; idle_after_steps (2)
+    steps on, the mate goes on; later a call for an old step, then one for the mate's step arrive;
+    separately a busy peer gets a call for a step past its own. Expected: it downloads while not
+    idle; idle, it downloads no sooner than idle_catch_up_s (3 s) after its last download, showing
+    behind meanwhile; the old step's call changes nothing; the mate's step's call ends the idleness
+    and brings the download at once; a call for a far step keeps it from going idle no longer than
+    one for the step after its mate's; the busy peer's call brings none (its catch-ups stay the
+    sync loop's)."""
+    c = StageCore(b"\x01" * 4, "p1", CoreConfig(4, idle_after_steps=2, idle_catch_up_s=3.0))
+    c.replaced(0, D0)
+    c.phase = Phase.SERVING
+    c.worked(0)
+    ahead = [bytes([2]) * 4]
+    for step in (1, 2):  # not idle yet: a download per step the mate is ahead
+        c.observe(float(step), [mate(2, step=step)], [], ahead)
+        assert isinstance(c.decide(float(step), frozenset()), Download) and not c.behind()
+        c.replaced(step, D0)
+    assert c.idle()
+    c.observe(2.5, [mate(2, step=5)], [], ahead)
+    assert c.decide(2.5, frozenset()) is None and c.decide(4.9, frozenset()) is None and c.behind()
+    assert isinstance(c.decide(5.0, frozenset()), Download)  # idle_catch_up_s after the last one
+    c.replaced(5, D0)
+    c.observe(6.0, [mate(2, step=9)], [], ahead)
+    assert c.decide(6.0, frozenset()) is None and c.behind()
+    # A call for a step it is past (a replay, or stale) brings no download, even when one is due.
+    assert c.wanted(9.0, 2, frozenset()) is None and c.idle()
+    download = c.wanted(9.1, 9, frozenset())
+    assert isinstance(download, Download) and download.sources[0][0] == ahead[0]
+    assert not c.idle() and not c.behind()
+
+    # A stranger's call for a far step counts as one for the step after the furthest in view.
+    c.replaced(9, D0)
+    assert c.wanted(9.2, 10**9, frozenset()) is None
+    c.replaced(11, D0)
+    assert not c.idle()
+    c.replaced(12, D0)  # idle_after_steps past step 10
+    assert c.idle()
+
+    busy = core(3)
+    busy.worked(0)
+    busy.observe(0.0, [mate(2, step=1)], [], ahead)
+    assert busy.wanted(0.0, 1, frozenset()) is None and isinstance(busy.decide(0.0, frozenset()), Download)
+
+
+def test_an_idle_peer_catches_up_at_once_when_its_mates_finished_the_job():
+    """Steps: an idle peer of a 10-step job behind a mate at step 8, then at step 10 (done).
+    Expected: lazy at 8 (within idle_catch_up_s of its last download); at 10 it downloads at once:
+    no work will come, and its state is what the job leaves behind."""
+    c = StageCore(b"\x01" * 4, "p1", CoreConfig(4, idle_after_steps=2, idle_catch_up_s=30.0, job_steps=10))
+    c.replaced(3, D0)  # no call since step 0
+    c.phase = Phase.SERVING
+    ahead = [bytes([2]) * 4]
+    c.observe(0.0, [mate(2, step=5)], [], ahead)
+    assert c.idle() and isinstance(c.decide(0.0, frozenset()), Download)
+    c.replaced(5, D0)
+    c.observe(1.0, [mate(2, step=8)], [], ahead)
+    assert c.decide(1.0, frozenset()) is None and c.behind()
+    c.observe(2.0, [mate(2, step=10)], [], ahead)
+    assert isinstance(c.decide(2.0, frozenset()), Download)

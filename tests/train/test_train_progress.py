@@ -41,6 +41,21 @@ def test_voters_prefer_peers_that_served_and_serving_ones():
     assert progress.agreed_step(progress.voters(answers, set())) == 3
 
 
+def test_a_peer_behind_its_mates_never_votes():
+    """An idle stage peer catches up with its mates only every idle_catch_up_s and shows `behind`
+    meanwhile: its old step must neither hold the stage back (everything would look uncovered and
+    be re-sent) nor, as the lower median of two, stand for the stage's step."""
+    answers = {A: info(7), B: info(2, state="behind")}
+    assert progress.voters(answers, {A, B}) == [info(7)]
+    assert progress.committed(progress.voters(answers, {B}), 6) == [info(7)]
+    # Alone, or beside a joining peer, it still says nothing about the stage's step.
+    assert progress.voters({B: info(2, state="behind")}, {B}) == []
+    assert progress.agreed_step(progress.voters({B: info(2, state="behind")}, set())) is None
+    alone = {B: info(2, state="behind"), C: info(0, state="joining")}
+    assert progress.voters(alone, set()) == [info(0, state="joining")]
+    assert progress.uncovered_everywhere(progress.voters({B: info(2, state="behind")}, set()), 6, {48}) == set()
+
+
 def test_an_id_is_uncovered_when_at_least_half_the_answers_at_the_step_list_it():
     ids = {12, 13, 14, 15}
     honest = info(3, [12, 13])

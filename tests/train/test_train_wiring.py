@@ -316,6 +316,53 @@ def test_a_peer_far_slower_than_its_mates_gets_no_work_but_a_probe():
     assert slow.withheld(NOW) == set() and slow.choose(10, Kind.FORWARD, NOW).peer.peer_id == b"b"
 
 
+def first_probe(stage, at):
+    """Picks at `at` until one is a probe (a's picks move its key past the withheld peer's)."""
+    return next(p for p in (stage.choose(10, Kind.FORWARD, at) for _ in range(200)) if p.probe)
+
+
+def test_a_probe_that_caught_up_first_is_not_judged_and_the_peer_is_probed_again_at_once():
+    """Steps: b measured 10x slower than a and withheld; its probe comes back in 0.5 s, the reply
+    saying b first caught up with its mates (an idle peer downloads their state when work comes
+    back) for 0.4 s; then b's next probe, once as a recovered peer (0.1 s, saying it caught up
+    again: 0.09 s), once as a peer still slow (0.5 s, saying 0.45 s); and a's claim on a non-probe.
+    Expected: the first probe judges nothing (b keeps its estimate) but makes the next probe due
+    at once, which is a recheck; that one is judged on its whole time whatever it says: the
+    recovered b is used again, the slow one withheld for slow_probe_s more; a non-probe's claim
+    changes nothing either."""
+    # Probes 20 s apart from the first: the gap's doubling is test_a_peer_far_slower_than_its_mates...
+    config = WiringConfig(seed=1, slow_probe_first_s=20.0, slow_probe_s=20.0)
+    for second, withheld in ((0.1, set()), (0.5, {b"b"})):
+        stage = stage_of("ab", config)
+        measure(stage, "a", samples_per_s=100)
+        measure(stage, "b", samples_per_s=10, times=config.slow_window)
+        assert stage.withheld(NOW) == {b"b"}  # its probe is due slow_probe_s from now
+        probe = first_probe(stage, NOW + 20.0)
+        assert probe.peer.peer_id == b"b" and not probe.recheck
+        stage.completed(probe, 0.5, caught_up_s=0.4)
+        assert stage.samples_per_s(b"b") == pytest.approx(10)  # not judged
+        assert stage.withheld(NOW + 20.0) == set()  # its recheck is due at once
+        recheck = first_probe(stage, NOW + 20.0)
+        assert recheck.peer.peer_id == b"b" and recheck.recheck
+        stage.completed(recheck, second, caught_up_s=second * 0.9)
+        assert stage.withheld(NOW + 20.0) == withheld, second
+        assert stage.samples_per_s(b"b") == pytest.approx(10 / second)
+    # The slow one's next probe: slow_probe_s after the recheck.
+    assert stage.withheld(NOW + 39.9) == {b"b"} and stage.withheld(NOW + 40.0) == set()
+    for claim in (True, -1.0, "0.4", 0):  # not a positive number: judged as it is
+        stage = stage_of("ab", config)
+        measure(stage, "a", samples_per_s=100)
+        measure(stage, "b", samples_per_s=10, times=config.slow_window)
+        stage.withheld(NOW)
+        stage.completed(first_probe(stage, NOW + 20.0), 0.5, caught_up_s=claim)
+        assert stage.withheld(NOW + 20.0) == {b"b"}, claim
+    before = stage.samples_per_s(b"a")
+    pick = stage.choose(10, Kind.FORWARD, NOW + 20.0, exclude=frozenset({b"b"}))
+    assert pick.peer.peer_id == b"a" and not pick.probe
+    stage.completed(pick, 0.1, caught_up_s=0.09)
+    assert stage.samples_per_s(b"a") == pytest.approx(before)  # judged on 0.1 s: 100 samples/s, as before
+
+
 def test_a_newcomer_withheld_for_its_cold_first_replies_is_back_at_its_first_probe():
     """Steps: a measured at 100 samples/s; newcomer b's first replies are 20x, 10x and 10x slower
     (a fresh process's connection and lazy initialisation under load), then b answers its probe
