@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from swarmd.directory import StageDirectory
+from swarmd.errors import SwarmdError
 from swarmd.job import JobSpec
 from swarmd.model.init import build_initial_stage
 from swarmd.model.precision import LossScaler, Precision
@@ -118,7 +119,9 @@ class StageService:
             delayed=spec.pipeline.delayed_updates)
         self.records: deque[StepRecord] = deque(maxlen=limits.records_kept)
         self.sync = StageSync(self)
-        self._tasks = TaskSet(f"stage {stage_index}")
+        # Its one-shot tasks (a checkpoint write, a round) are not restarted, but a failure of one
+        # is shown in the supervisor's faults (`swarmctl status`), not only logged.
+        self._tasks = TaskSet(f"stage {stage_index}", on_failure=self._task_failed)
         self._aux = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage_index}-aux")
         self._committed_event = asyncio.Event()
         # Compute calls parked for a later step, and `stage.info` long-polls: separate slots, each
@@ -334,6 +337,12 @@ class StageService:
 
     def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
         return self._tasks.spawn(coro, name)
+
+    def _task_failed(self, name: str, exc: BaseException) -> None:
+        """A spawned task failed with an unexpected error (TaskSet logged it with its traceback)."""
+        faults = self.supervisor.faults
+        faults.failed(f"{self.supervisor.owner}: {name}", exc, 0.0)
+        faults.restarted(f"{self.supervisor.owner}: {name}")  # a one-shot task: no retry is due
 
     async def in_aux(self, fn: Callable, *args: Any) -> Any:
         """Run `fn` on the stage's one auxiliary thread (builds, flattens, commits, snapshots)."""
@@ -615,7 +624,9 @@ class StageService:
         """Does this look find the swarm at `target` and no mate of this stage that may be ahead?"""
         if target >= self.spec.steps or self.core.round_id is not None or self.core.mate_ahead():
             return False
-        # A directory backed by the DHT fails in many ways; a failed look is a "not now".
+        # A directory backed by the DHT fails in many ways (its errors, the transport's, timeouts);
+        # such a failed look is a "not now". Anything else is a bug and reaches the sync loop's
+        # supervisor.
         try:
             await self.sync.poll()
             if self.core.mate_ahead() or self.core.mate_slow():
@@ -627,7 +638,7 @@ class StageService:
                 self._unproven(target, anchored)
                 return False
             answered = await self._other_stages_steps() if self.spec.pipeline.stages > 1 else None
-        except Exception as exc:  # noqa: BLE001
+        except (SwarmdError, TransportError, RpcError, OSError, TimeoutError) as exc:
             log.debug("stage %d: cannot check whether the swarm is ahead: %s", self.stage_index, exc)
             return False
         return proven_step(anchored, answered) >= target and self.committed < target

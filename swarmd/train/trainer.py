@@ -64,7 +64,8 @@ from swarmd.train.replies import (
     stage_shapes,
 )
 from swarmd.train.wiring import Kind, Pick, Wiring, WiringConfig
-from transport.errors import ConnectionLost, DeadlineExceeded, LocalProtocolError, ProtocolError, RemoteError
+from transport.errors import (ConnectionLost, DeadlineExceeded, LocalProtocolError, ProtocolError, RemoteError,
+                              RpcError, TransportError)
 from transport.rpc import CODE_DEADLINE, CODE_OVERLOADED, Message, Pool, parse_address
 
 log = logging.getLogger(__name__)
@@ -993,9 +994,10 @@ class Trainer:
         try:
             async with asyncio.timeout(self.config.info_timeout_s):
                 peers = await self.directory.peers(self.job_id, stage)
-        # A directory backed by the DHT can fail in many ways (timeouts, unreachable contacts); a
-        # failed read keeps the previous peer list and must never stop training.
-        except Exception as exc:  # noqa: BLE001
+        # A directory backed by the DHT can fail in many ways (timeouts, unreachable contacts, its
+        # own errors); such a failed read keeps the previous peer list and must never stop
+        # training. Anything else is a bug: it ends the trainer, whose supervisor shows it.
+        except (SwarmdError, TransportError, RpcError, OSError, TimeoutError) as exc:
             log.warning("reading the peers of stage %d failed: %s", stage, exc)
             return
         self.wiring[stage].update(peers, time.time())
