@@ -401,23 +401,28 @@ class StageService:
         # `replay`: computed alone, on the kept parameters when `version` is the step just committed.
         work = Work(EVALUATE, version, -1, x, targets, False, asyncio.get_running_loop().create_future(),
                     epoch=self._state_epoch, replay=True, deadline=req.deadline)
+        answer = await self._run_work(work)
+        if work.used != version:  # the state was replaced meanwhile (a download)
+            raise StaleStep(version, self.committed).to_rpc()
+        if self.stage.is_last:
+            return Message({"version": version, "loss_sum": answer.loss_sum}, codec="none")
+        return Message({"version": version}, [answer.tensor], codec=self.spec.wire.activations)
+
+    async def _run_work(self, work: Work) -> Any:
+        """Queue `work` and wait for its answer: `busy` when the queue is full, a stale step as the
+        RPC error; the caller gone, the work is left to a worker that skips it (and settles it)."""
         try:
             self.executor.submit(work)
         except QueueFull as exc:
             work.future.cancel()
             raise busy(str(exc)) from None
         try:
-            answer = await asyncio.shield(work.future)
+            return await asyncio.shield(work.future)
         except StaleStep as exc:
             raise exc.to_rpc() from None
         except asyncio.CancelledError:
             work.abandoned = True
             raise
-        if work.used != version:  # the state was replaced meanwhile (a download)
-            raise StaleStep(version, self.committed).to_rpc()
-        if self.stage.is_last:
-            return Message({"version": version, "loss_sum": answer.loss_sum}, codec="none")
-        return Message({"version": version}, [answer.tensor], codec=self.spec.wire.activations)
 
     async def _compute_call(self, req: Request, kind: str) -> tuple[Any, dict[str, Any]]:
         """Run one call; returns its answer and the reply's admission meta (`duplicate`: this peer
@@ -447,18 +452,7 @@ class StageService:
         # released once its compute is over unless the gradient went in (I3: no claim leak).
         epoch = self.core.epoch
         work.future.add_done_callback(lambda future: self._settled(work, epoch, future))
-        try:
-            self.executor.submit(work)
-        except QueueFull as exc:
-            work.future.cancel()
-            raise busy(str(exc)) from None
-        try:
-            answer = await asyncio.shield(work.future)
-        except StaleStep as exc:
-            raise exc.to_rpc() from None
-        except asyncio.CancelledError:
-            work.abandoned = True  # a worker that has not taken it skips it (and settles it)
-            raise
+        answer = await self._run_work(work)
         admitted = {"duplicate": admission == Admission.REPEAT, "added": work.added,
                     "held_by_mate": admission == Admission.HELD_BY_MATE, "version": work.used}
         if catching_up:
