@@ -702,9 +702,14 @@ class StageService:
         shortly before the call's deadline (the answer, not the transport's timeout, must reach the
         caller), in one of the `watchers` slots. With no slot free (in all, or for this caller) it
         returns at once: the caller gets a plain answer and polls again, where a `busy` would only
-        make it retry sooner."""
+        make it retry sooner. An idle peer answers at once too: it holds nothing of the step and
+        commits one only when it next catches up (`idle_catch_up_s`), so its wait would only hold
+        the trainer's commit watch (its stragglers' clock: measured, every step of a slow-peer
+        window 0.5 s longer once the withheld peer was idle)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
+        if self.core.idle():
+            return
         until = now + min(wait_s, self.limits.max_wait_s)
         if req.deadline is not None:
             until = min(until, req.deadline - min(0.25, max(0.0, req.deadline - now) / 10))

@@ -140,3 +140,23 @@ async def test_a_peer_behind_refuses_evaluation_and_its_state(kit, client):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_an_idle_peer_answers_a_long_poll_at_once(kit, client):
+    """Steps: B falls behind as above; a trainer long-polls both for a commit past A's step, with
+    wait_s 30. Expected: B answers at once (idle, it commits only at its next catch-up: waiting
+    would hold the trainer's commit watch, measured 0.5 s a step in the slow-peer bench), A keeps
+    waiting as a working peer does."""
+    a, b = await start(kit, idle_catch_up_s=60.0)
+    try:
+        step = await drive_until_behind(kit, client, a, b)
+        meta = {"job": kit.JOB, "stage": STAGE, "until_step": step, "wait_s": 30.0}
+        polls = [asyncio.create_task(client.call(p.addr, "stage.info", Message(meta, codec="none"), timeout=40))
+                 for p in (a, b)]
+        b_answer = await asyncio.wait_for(polls[1], 10)
+        assert b_answer.meta["state"] == "behind" and not polls[0].done()
+        polls[0].cancel()
+        await asyncio.gather(polls[0], return_exceptions=True)
+    finally:
+        await a.close()
+        await b.close()
