@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 
 
+from jobspec import job_spec
+
 from swarmd.directory import StagePeer, StaticDirectory
 from swarmd.job import parse_toml
 from swarmd.job.sources import open_training_data
@@ -17,31 +19,6 @@ from swarmd.train.wiring import WiringConfig
 from transport.errors import RpcError
 from transport.rpc import Message, Pool, Request, Router, RpcServer
 
-SPEC = """
-name = "repeats"
-seed = 4
-steps = 1
-[model]
-arch = "transformer-lm"
-d_model = 32
-n_heads = 4
-layers_per_stage = 1
-[data]
-files = ["{data}"]
-seq_len = 16
-[batch]
-global_samples = 8
-microbatch_samples = 2
-[optim]
-name = "sgd"
-lr = 0.05
-schedule = "constant"
-[wire]
-activations = "none"
-gradients = "none"
-[pipeline]
-stages = 1
-"""
 LAGGING = b"\xfe" * 32
 # Re-sends allowed every 50 ms, polls (long-polls waiting 20 ms) every 20 ms at most: without the
 # rule, dozens of repeats.
@@ -81,7 +58,9 @@ async def test_a_resend_answered_as_a_held_repeat_is_not_sent_again(kit, client,
     resend_grace_s), the step commits, and the trainer's step event shows no microbatch summed
     twice."""
     (tmp_path / "data.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    spec = parse_toml(SPEC.format(data=tmp_path / "data.txt"))
+    spec = parse_toml(job_spec("repeats", seed=4, steps=1, corpus=tmp_path / "data.txt",
+                               model={"n_heads": 4, "vocab": None}, batch={"global_samples": 8},
+                               wire={"activations": "none", "gradients": "none"}, pipeline={"stages": 1}))
     data = open_training_data(spec.data, spec.batch, spec.model.config.vocab, spec.seed, tmp_path)
     directory = StaticDirectory()
     peer = await kit.start_peer(spec, 0, 1, directory, kit.FAST)
