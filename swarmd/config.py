@@ -438,6 +438,11 @@ class JobsSection:
         5.0, _float_kind(0.1),
         "how often the jobs index is read for jobs to join (jittered); a new job waits at most about this long",
     )
+    min_stage_peers: int = setting(
+        2, _int_kind(1),
+        "automatic joining fills every stage of a job to this many peers before it weighs capacity: a stage "
+        "with one peer stops the whole job when that peer fails",
+    )
     join_settle_s: float = setting(
         2.0, _float_kind(0.0),
         "between announcing the stage a daemon means to join and deciding again with the daemons that "

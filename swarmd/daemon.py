@@ -290,7 +290,8 @@ class Daemon:
         self.joining = Joining(self.job_registry, self.serving, RememberedStages(cfg.daemon.state_dir),
                                peer_id=self.identity.peer_id, serve=cfg.jobs.serve, max_stages=cfg.jobs.max_stages,
                                interval_s=cfg.jobs.join_interval_s, rejoin_wait_s=cfg.jobs.rejoin_wait_s,
-                               settle_s=cfg.jobs.join_settle_s, supervisor=Supervisor("joining", self.faults))
+                               settle_s=cfg.jobs.join_settle_s, min_stage_peers=cfg.jobs.min_stage_peers,
+                               supervisor=Supervisor("joining", self.faults))
         self.joining.start()
         closers.append(("automatic joining", self.joining.close))
         try:

@@ -2,13 +2,14 @@
 
 Every `jobs.join_interval_s` (jittered, so daemons started together do not decide together) the
 loop reads the `jobs` index (`JobRegistry.refresh`) and, for every listed job that `jobs.serve`
-admits, joins the stage with the least capacity: the rebalancer's own join rule
-(`choose_join_stage`), fed from the stages' DHT announcements. Only peers that answered a call
-count (`swarmd.jobs.probing`: a record alone is a claim anyone can store), and capacity is their
-announced samples/s bounded by the others' (`swarmd.rebalance.table.bounded_speeds`); a peer that has measured
-nothing yet counts at the job's median measured speed (1 when none is measured), so a stage with an
-idle new peer still ranks above a stage with none. A daemon takes one
-stage per job, and a second one only while some stage of the job has no peer at all: an empty stage
+admits, joins the stage with the least capacity, a stage with fewer than `jobs.min_stage_peers`
+peers first: the rebalancer's own join rule (`choose_join_stage`), fed from the stages' DHT
+announcements. Only peers that answered a call count (`swarmd.jobs.probing`: a record alone is a
+claim anyone can store), and capacity is their announced samples/s bounded by the others'
+(`swarmd.rebalance.table.bounded_speeds`); a peer that has measured nothing yet counts at the
+job's median measured speed (1 when none is measured), so a stage with an idle new peer still
+ranks above a stage with none. A daemon takes one stage per job, and a second one only while some
+stage of the job has no peer at all: an empty stage
 stalls the whole job, which outweighs spreading. `jobs.max_stages` bounds it all.
 
 What the daemon serves is remembered (`RememberedStages`) and, after a restart, rejoined first,
@@ -106,7 +107,7 @@ def capacity_table(stages: list[dict[str, Any]]) -> StageTable:
     return table
 
 
-def join_stage(stages: list[dict[str, Any]], me: bytes) -> int:
+def join_stage(stages: list[dict[str, Any]], me: bytes, min_peers: int = 1) -> int:
     """The stage `me` joins: the join rule applied to every daemon joining the job now, one by one
     in peer-id order, from the stages as they stand without them.
 
@@ -128,18 +129,19 @@ def join_stage(stages: list[dict[str, Any]], me: bytes) -> int:
         else:
             table.put(PeerLoad(row, stage, rates[row] or unmeasured, state))
     for ahead in sorted(j for j in joiners if j < me):
-        stage = choose_join_stage(table, me=ahead)
+        stage = choose_join_stage(table, me=ahead, min_peers=min_peers)
         table.put(PeerLoad(ahead + stage.to_bytes(4, "big"), stage, unmeasured, JOINING))
-    return choose_join_stage(table, me=me)
+    return choose_join_stage(table, me=me, min_peers=min_peers)
 
 
 class Joining:
     def __init__(self, registry: JobRegistry, serving: Any, memory: RememberedStages, *, peer_id: bytes,
                  serve: str | frozenset[str], max_stages: int, interval_s: float, rejoin_wait_s: float,
-                 settle_s: float, supervisor: Supervisor | None = None) -> None:
+                 settle_s: float, min_stage_peers: int = 1, supervisor: Supervisor | None = None) -> None:
         self.registry, self.serving, self.memory = registry, serving, memory
         self.peer_id, self.rule, self.max_stages = peer_id, serve, max_stages
         self.interval_s, self.rejoin_wait_s, self.settle_s = interval_s, rejoin_wait_s, settle_s
+        self.min_stage_peers = min_stage_peers
         self.pending: dict[Key, float] = {}  # remembered, not rejoined yet -> monotonic deadline
         self.ticks = 0  # looks at the jobs index completed (tests wait on it instead of sleeping)
         self._saved: frozenset[Key] | None = None
@@ -244,7 +246,7 @@ class Joining:
         mine |= {stage for job_id, stage in self.pending if job_id == job.job_id}
         if mine and all(any(p["reachable"] for p in s["peers"]) for s in stages):
             return
-        stage = join_stage(stages, self.peer_id)
+        stage = join_stage(stages, self.peer_id, self.min_stage_peers)
         if stage in mine:
             return
         intent = self._intent(job, stage)
@@ -252,7 +254,7 @@ class Joining:
             # Let the announcements of daemons deciding at the same moment arrive, then place
             # every joiner in peer-id order (`join_stage`): they spread instead of piling up.
             await asyncio.sleep(self.settle_s)
-            settled = join_stage(await self.registry.stage_peers(job), self.peer_id)
+            settled = join_stage(await self.registry.stage_peers(job), self.peer_id, self.min_stage_peers)
         except BaseException:
             await asyncio.shield(self._drop(job, stage, intent))
             raise

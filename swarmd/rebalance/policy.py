@@ -284,14 +284,21 @@ def plan(table: StageTable, me: bytes, now: float, state: PolicyState, config: P
     return Decision(None, PolicyState(pending_stage=mine.target), now + config.confirm_after_s, "pending")
 
 
-def choose_join_stage(table: StageTable, me: bytes = b"") -> int:
+def choose_join_stage(table: StageTable, me: bytes = b"", min_peers: int = 1) -> int:
     """A new peer joins the stage with the least expected capacity: the bottleneck it would lift.
 
-    Exact ties are broken by a hash of the joiner's id, so peers joining at the same moment from the
-    same view spread over the tied stages instead of piling onto the lowest index.
+    Stages with fewer than `min_peers` peers (joining ones included) come first, whatever their
+    capacity: with one peer, a stage stops the whole job when that peer fails, and no throughput
+    gained elsewhere is worth that (measured speeds are noisy too: one fast peer alone on a stage
+    once drew four joiners to the other). Exact ties are broken by a hash of the joiner's id, so
+    peers joining at the same moment from the same view spread over the tied stages instead of
+    piling onto the lowest index.
     """
-    low = min(table.expected)
-    tied = [s for s in range(table.num_stages) if table.expected[s] <= low]
+    def rank(stage: int) -> tuple[bool, float]:
+        return table.expected_count[stage] >= min_peers, table.expected[stage]
+
+    low = min(rank(s) for s in range(table.num_stages))
+    tied = [s for s in range(table.num_stages) if rank(s) <= low]
     if len(tied) == 1:
         return tied[0]
     pick = int.from_bytes(hashlib.blake2b(me, digest_size=8).digest(), "little") % len(tied)

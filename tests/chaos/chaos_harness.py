@@ -119,7 +119,20 @@ class Run:
             return None
 
         return wait_for(reached, timeout, what, interval=0.3,
-                        detail=lambda: f"at step {seen.get('step')}, {seen.get('status')}\n{self.story()}")
+                        detail=lambda: f"at step {seen.get('step')}, {seen.get('status')}\n"
+                                       f"{self.placement_seen(seen)}\n{self.story()}")
+
+    def placement_seen(self, view: dict[str, Any]) -> str:
+        """The last view's stages as `stage I: peer state@step [unreachable|not serving]`: what a
+        wait on placement saw when it gave up."""
+        names = {p.peer_id: p.name for p in self.swarm.peers}
+        lines = []
+        for stage in view.get("stages", []):
+            entries = [f"{names.get(e['peer_id'], e['peer_id'][:8])} {e['state']}@{e['step']}"
+                       + ("" if e["reachable"] else " unreachable") + ("" if e["serves"] else " not serving")
+                       for e in stage["peers"]]
+            lines.append(f"stage {stage['stage']}: " + (", ".join(entries) or "nobody"))
+        return "\n".join(lines)
 
     def wait_step(self, step: int, timeout: float = STEP_TIMEOUT_S) -> dict:
         return self.wait(f"step {step}", lambda v: v["step"] >= step or v["state"] == "done", timeout)

@@ -107,6 +107,33 @@ def test_daemons_joining_at_once_spread_as_if_they_came_one_at_a_time() -> None:
     assert join_stage(view({}), ids[0]) == choose_join_stage(capacity_table(view({})), me=ids[0]) == 1
 
 
+def test_a_stage_of_one_is_filled_before_capacity_counts() -> None:
+    """The auto-join chaos test on a loaded CI machine left peer0 alone on stage 0 (it measured
+    fast) and four peers on stage 1: by capacity alone, 3 x 3.0 < 10.0 sent the fourth to stage 1,
+    and a failure of peer0 would stop the job. With `min_stage_peers` 2, stage 0 comes first."""
+    stages = [stage(0, ("00", 10.0, "serving")),
+              stage(1, ("aa", 3.0, "serving"), ("bb", 3.0, "serving"), ("cc", 3.0, "serving"))]
+    assert choose_join_stage(capacity_table(stages), me=b"x") == 1
+    assert choose_join_stage(capacity_table(stages), me=b"x", min_peers=2) == 0
+    assert join_stage(stages, b"\xdd" * 32, min_peers=2) == 0
+    # A joining peer counts toward the two: once stage 0 has its second, capacity decides again.
+    stages[0]["peers"].append({"peer_id": "ee" * 32, "samples_per_s": 0.0, "state": "joining",
+                               "reachable": True, "serves": False})
+    assert choose_join_stage(capacity_table(stages), me=b"x", min_peers=2) == 1
+    # Every stage below the minimum: the emptiest capacity first, as before.
+    stages = [stage(0, ("00", 10.0, "serving")), stage(1), stage(2, ("aa", 3.0, "serving"))]
+    assert choose_join_stage(capacity_table(stages), me=b"x", min_peers=2) == 1
+    # Daemons joining at once with the rule: five daemons and two stages always end 2/3 or 3/2.
+    ids = [bytes([i]) * 32 for i in range(1, 5)]
+    for fast in (0.5, 3.0, 10.0, 100.0):
+        view = [stage(0, ("00", fast, "serving")), stage(1)]
+        for pid in ids:
+            view[1]["peers"].append({"peer_id": pid.hex(), "samples_per_s": 0.0, "state": "joining",
+                                     "reachable": True, "serves": False})
+        placed = [join_stage(view, me, min_peers=2) for me in ids]
+        assert min(1 + placed.count(0), placed.count(1)) >= 2, (fast, placed)
+
+
 def test_remembered_stages_round_trip_and_damage(tmp_path) -> None:
     memory = RememberedStages(tmp_path)
     assert memory.load() == []
