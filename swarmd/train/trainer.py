@@ -952,8 +952,10 @@ class Trainer:
             await self._refresh_stage(stage)
 
     def _unusable(self, stage: int) -> str:
-        banned, benched = len(self.wiring[stage].banned()), len(self.wiring[stage].benched(time.time()))
-        why = [f"{banned} banned"] * bool(banned) + [f"{benched} benched for timing out"] * bool(benched)
+        wiring, now = self.wiring[stage], time.time()
+        banned, benched, withheld = len(wiring.banned()), len(wiring.benched(now)), len(wiring.withheld(now))
+        why = ([f"{banned} banned"] * bool(banned) + [f"{benched} benched for timing out"] * bool(benched)
+               + [f"{withheld} withheld for slowness"] * bool(withheld))
         return f" ({', '.join(why)})" if why else ""
 
     async def _usable_peers(self, stage: int, benched_too: bool = False) -> list[StagePeer]:

@@ -34,6 +34,7 @@ Pure: the caller passes the wall-clock `now` and the measured durations; tests d
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import random
 import statistics
@@ -43,6 +44,8 @@ from enum import Enum
 from typing import Any
 
 from swarmd.directory import StagePeer
+
+log = logging.getLogger(__name__)
 
 
 class Kind(Enum):
@@ -263,6 +266,9 @@ class StageWiring:
             del self._probe_at[peer_id]
         for peer_id in slow - self._probe_at.keys():
             self._probe_at[peer_id] = self._next_probe(peer_id, now)
+            log.info("stage %d peer %s withheld for slowness: %.3g s a sample against the stage's pace of %.3g; "
+                     "probed in %.3g s", self.stage, self._peers[peer_id].addr, rates[peer_id], pace,
+                     self._probe_at[peer_id] - now)
         return {pid for pid in slow if now < self._probe_at[pid]}
 
     def _next_probe(self, peer_id: bytes, now: float) -> float:

@@ -64,12 +64,17 @@ def test_a_stage_mate_with_a_slow_uplink_owns_no_shard_and_the_job_trains_exactl
             final = run.wait("the job to finish", lambda v: v["state"] == "done", timeout=600)
             assert final["step"] == STEPS
             events = ch.check_steps(run, raw)
+            # Two ways keep its uplink out of the rounds' critical path, and either is enough: the
+            # stage gives it no shard (its leader logs it), or the trainer, which measures the slow
+            # mate's calls slow too (its replies cross the same uplink), withholds work from it, so
+            # it holds nothing of a step and is no round's member (it catches up by download).
             logs = p2.log_path.read_text(errors="replace") + p3.log_path.read_text(errors="replace")
-            no_shard = [line for line in logs.splitlines() if "own no shard" in line]
-            assert any(p3.peer_id[:8] in line for line in no_shard), (
-                f"the slow mate never lost its shard; rounds seen:\n{no_shard[-5:]}\n{run.story()}")
-            print(f"{len(no_shard)} rounds with the slow mate owning no shard; losses "
-                  f"{events[0]['loss']:.3f} -> {events[-1]['loss']:.3f}")
+            no_shard = [line for line in logs.splitlines() if "own no shard" in line and p3.peer_id[:8] in line]
+            withheld = [line for line in trainer.log_path.read_text(errors="replace").splitlines()
+                        if "withheld for slowness" in line and p3.address in line]
+            assert no_shard or withheld, f"the slow mate kept its shard and its work\n{run.story()}"
+            print(f"{len(no_shard)} rounds with the slow mate owning no shard, withheld by the trainer "
+                  f"{len(withheld)} times; losses {events[0]['loss']:.3f} -> {events[-1]['loss']:.3f}")
             ch.drain_all(swarm)
         finally:
             swarm.close()

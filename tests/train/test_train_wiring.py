@@ -1,6 +1,7 @@
 """Stochastic wiring as a pure data structure: picks, measurements, bans, no sockets."""
 
 import collections
+import logging
 import math
 import random
 
@@ -267,6 +268,19 @@ def test_config_is_checked():
     with pytest.raises(ValueError):
         WiringConfig(slow_factor=1)
     assert math.isinf(Throughput(0.1).samples_per_s)
+
+
+def test_withholding_a_peer_is_logged_once_with_its_rate_and_the_pace(caplog):
+    """An operator (and the slow-uplink chaos test) learns from the trainer's log which peer gets no
+    work and why: one line when it is withheld, none while it stays so."""
+    caplog.set_level(logging.INFO, logger="swarmd.train.wiring")
+    stage = stage_of("ab", WiringConfig(seed=1, slow_probe_first_s=4.0))
+    measure(stage, "a", samples_per_s=100)
+    measure(stage, "b", samples_per_s=10, times=stage.config.slow_window)
+    for i in range(5):
+        assert stage.withheld(NOW + i * 0.5) == {b"b"}  # before its probe, 4 s on
+    lines = [r.getMessage() for r in caplog.records if "withheld for slowness" in r.getMessage()]
+    assert len(lines) == 1 and "stage 0 peer 127.0.0.1:1098 withheld" in lines[0] and "probed in 4 s" in lines[0], lines
 
 
 def test_a_peer_far_slower_than_its_mates_gets_no_work_but_a_probe():
