@@ -197,6 +197,10 @@ class StageWiring:
         self._benched: dict[bytes, float] = {}  # peer id -> until (wall clock)
         self._probe_at: dict[bytes, float] = {}  # slow peers withheld: peer id -> next probe (wall clock)
         self._probe_gap: dict[bytes, float] = {}  # peer id -> the gap to its next probe (doubling)
+        # A withheld peer's judged rate when it was withheld, its rate until a probe reply
+        # replaces it: judged meanwhile on its EMA (another measure), a peer flapped in and out
+        # of `withheld` from one call to the next, its probe gap doubling at each flap.
+        self._withheld_rate: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -218,6 +222,7 @@ class StageWiring:
         self._benched = {pid: t for pid, t in self._benched.items() if pid in fresh}
         self._probe_at = {pid: t for pid, t in self._probe_at.items() if pid in fresh}
         self._probe_gap = {pid: t for pid, t in self._probe_gap.items() if pid in fresh}
+        self._withheld_rate = {pid: r for pid, r in self._withheld_rate.items() if pid in fresh}
 
     def ban(self, peer: StagePeer, now: float, reason: str) -> bool:
         """True when this newly bans the peer (concurrent calls often fail on the same dead peer).
@@ -264,8 +269,10 @@ class StageWiring:
         slow = {pid for pid, spp in rates.items() if pace > 0 and spp > self.config.slow_factor * pace}
         for peer_id in [pid for pid in self._probe_at if pid not in slow]:
             del self._probe_at[peer_id]
+            self._withheld_rate.pop(peer_id, None)
         for peer_id in slow - self._probe_at.keys():
             self._probe_at[peer_id] = self._next_probe(peer_id, now)
+            self._withheld_rate[peer_id] = rates[peer_id]
             log.info("stage %d peer %s withheld for slowness: %.3g s a sample against the stage's pace of %.3g; "
                      "probed in %.3g s", self.stage, self._peers[peer_id].addr, rates[peer_id], pace,
                      self._probe_at[peer_id] - now)
@@ -280,8 +287,11 @@ class StageWiring:
 
     def _judged_rate(self, peer_id: bytes, speed: Throughput) -> float | None:
         """Seconds per sample that slowness is judged on: a withheld peer's probe reply (its
-        estimate alone), anyone else's median of `slow_window` replies; None: not judged yet."""
+        estimate alone) or, before one, the rate it was withheld at; anyone else's median of
+        `slow_window` replies; None: not judged yet."""
         if peer_id in self._probe_at:
+            if peer_id in self._withheld_rate:
+                return self._withheld_rate[peer_id]
             return speed.seconds_per_sample if speed.measured else None
         return speed.recent_median()
 
@@ -382,6 +392,7 @@ class StageWiring:
             return
         if pick.probe:
             self._speed.pop(peer_id, None)
+            self._withheld_rate.pop(peer_id, None)
         self._measure(pick, elapsed_s)
 
     def timed_out(self, pick: Pick, elapsed_s: float, now: float) -> None:

@@ -283,6 +283,29 @@ def test_withholding_a_peer_is_logged_once_with_its_rate_and_the_pace(caplog):
     assert len(lines) == 1 and "stage 0 peer 127.0.0.1:1098 withheld" in lines[0] and "probed in 4 s" in lines[0], lines
 
 
+def test_a_peer_turned_slow_stays_withheld_until_its_probe_and_its_gap_does_not_run_away(caplog):
+    """b answered fast 20 times, then twice 10x slower: its recent median of 3 (judged) is
+    past slow_factor x the pace, its EMA (a longer memory) is not. The goodput bench's trainer log
+    showed such a peer withheld, released and withheld again at every call (judged on the median,
+    then on the EMA), its probe gap doubling to slow_probe_s within a second. Expected: withheld
+    at every look until its probe is due, one log line, the first gap slow_probe_first_s; a fast
+    probe reply releases it."""
+    caplog.set_level(logging.INFO, logger="swarmd.train.wiring")
+    config = WiringConfig(seed=1, slow_probe_first_s=4.0, slow_probe_s=20.0)
+    stage = stage_of("ab", config)
+    measure(stage, "a", samples_per_s=100)
+    measure(stage, "b", samples_per_s=100, times=20)
+    measure(stage, "b", samples_per_s=10, times=2)  # withheld at the second: no pick for a third
+    for i in range(20):
+        assert stage.withheld(NOW + i * 0.1) == {b"b"}, i
+        assert [p.peer_id for p in stage.usable(NOW + i * 0.1)] == [b"a"]
+    assert len([r for r in caplog.records if "withheld for slowness" in r.getMessage()]) == 1
+    probe = stage.choose(10, Kind.FORWARD, NOW + 4.0, exclude=frozenset({b"a"}))
+    assert probe.peer.peer_id == b"b" and probe.probe
+    stage.completed(probe, 10 / 100)
+    assert stage.withheld(NOW + 4.1) == set()
+
+
 def test_a_peer_far_slower_than_its_mates_gets_no_work_but_a_probe():
     """Steps: peers a (100 samples/s) and b (10: 10x slower, past slow_factor 4) measured; pick 50
     times; then at the probes' times pick again, b answering slow, until the gap is slow_probe_s;
