@@ -11,7 +11,8 @@ follow one another on the same job and the same warm processes:
   `kill_15s`): a stage peer (from a stage whose peers are all up) is SIGKILLed at the window's start
   and every P s after, and at once restarted (same state dir, identity and port: it downloads its
   stage's state from a mate and serves again); restarts still under way when a window closes are
-  waited for outside it;
+  waited for outside it, and so is the job's next committed step (`settle`): no window pays for
+  the one before;
 - `slow_peer`: one stage peer in four is slowed, alive but stopped (SIGSTOP) for `--slow-stopped`
   of every `--slow-period` and running (SIGCONT) the rest: its compute, its replies and its part of
   its stage's all-reduce all slow down about 1 / (1 - stopped) times;
@@ -171,6 +172,20 @@ async def wait_steps(run: Run, steps: int, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
+async def settle(run: Run, timeout: float) -> None:
+    """Between windows: wait for a step committed after the last one ended (its restarts done), so
+    no window pays for the one before. A kill of the only peer holding a stage's newest state
+    stalls the job for the lost-step recovery (`resume_after_s`, 10 s, docs/stage-rpc.md): with
+    the quick run's 6 s windows that stall once ran through two more windows, the no-fault half
+    among them, and read as zero goodput there."""
+    ended = time.time()
+    deadline = time.monotonic() + timeout
+    while not any(e.get("kind") == "step" and e["ts"] > ended for e in run.events):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no step committed in {timeout:g} s after a window ended")
+        await asyncio.sleep(0.1)
+
+
 async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProcess], args: argparse.Namespace,
                 run: Run) -> None:
     async with Client(trainer.socket) as client:
@@ -185,7 +200,9 @@ async def drive(swarm: LocalSwarm, trainer: PeerProcess, servers: list[PeerProce
             await quiet_window("no_faults_before", args.window / 2, run)
             for every in args.kill_periods:
                 await kill_window(f"kill_{every:g}s", every, args.window, swarm, peers, job, run, rng)
+                await settle(run, args.timeout)
             await slow_window(args.window, peers[-1].peer, args.slow_stopped, args.slow_period, run)
+            await settle(run, args.timeout)
             await quiet_window("no_faults_after", args.window / 2, run)
             await asyncio.sleep(1.0)  # the window's last step events reach us
         finally:
