@@ -25,8 +25,8 @@ last `slow_window` replies, once it has that many; the first probe comes `slow_p
 after a peer is withheld, the gap doubling to `slow_probe_s`, so a newcomer withheld for its cold
 first calls is soon back, and a peer slow for good costs a probe every `slow_probe_s`. `busy` charges the
 peer one more request and reroutes; a connection error or a typed failure bans the peer until it
-re-announces (its announcement changes or expires), or, so that a fixed table cannot starve a
-stage for ever, until `max_ban_s` has passed.
+re-announces (a newer announcement) or the announcement it was banned under expires, or, so that
+a fixed table cannot starve a stage for ever, until `max_ban_s` has passed.
 
 Pure: the caller passes the wall-clock `now` and the measured durations; tests drive it directly.
 """
@@ -205,11 +205,16 @@ class StageWiring:
     # ------------------------------------------------------------------ membership
 
     def update(self, peers: list[StagePeer], now: float) -> None:
-        """Replace the peer list with a fresh read of the directory; bans lift on re-announcement."""
+        """Replace the peer list with a fresh read of the directory. A ban lifts when the peer
+        re-announces (a record newer than the one it was banned under), when that record lapses,
+        or after `max_ban_s`; not when a read merely misses the peer or shows an older record:
+        replicas differ for a while (a restarted peer's new "joining" record beside its old
+        "serving" one), and lifting at each flip re-banned a restarting peer twenty times a second."""
         fresh = {p.peer_id: p for p in peers if p.stage == self.stage and p.state == "serving" and p.expires > now}
         for peer_id, ban in list(self._bans.items()):
             current = fresh.get(peer_id)
-            if current is None or current != ban.announcement or now >= ban.until:
+            renewed = current is not None and current.expires > ban.announcement.expires
+            if renewed or ban.announcement.expires <= now or now >= ban.until:
                 del self._bans[peer_id]
         entry = self._minimum()
         for peer_id in self._peers.keys() - fresh.keys():
