@@ -937,12 +937,17 @@ class Trainer:
         wiring = self.wiring[stage]
         waited = 0
         while True:
-            usable = {p.peer_id for p in wiring.usable(time.time())}
+            now = time.time()
+            usable = {p.peer_id for p in wiring.usable(now)}
             if usable and usable <= attempts.tried:
                 attempts.tried.clear()
                 await asyncio.sleep(self._backoff(attempts.rounds))
                 attempts.rounds += 1
-            pick = wiring.choose(samples, kind, time.time(), frozenset(attempts.tried))
+                now = time.time()
+            # The same `now` as `usable`: a peer usable there and not tried is picked here (the
+            # wiring once judged a withheld peer differently at each look, and a trainer whose
+            # call had failed on one peer waited for ever, "no peers", between two usable ones).
+            pick = wiring.choose(samples, kind, now, frozenset(attempts.tried))
             if pick is not None:
                 self._set_waiting(("peers", stage), "")
                 return pick

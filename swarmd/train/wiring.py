@@ -21,7 +21,7 @@ reply clears its record. A peer far slower than its stage's pace (`slow_factor` 
 median of its peers' rates) is withheld from picks, except probe calls whose reply replaces its
 estimate: a stage's step waits for its slowest member's share and all-reduce part, so routing it even a little
 work costs every step more than its compute adds. Slowness is judged on the median of a peer's
-last `slow_window` replies, once it has that many; the first probe comes `slow_probe_first_s`
+last `slow_window` replies, once it has that many, else on its probe reply; the first probe comes `slow_probe_first_s`
 after a peer is withheld, the gap doubling to `slow_probe_s`, so a newcomer withheld for its cold
 first calls is soon back, and a peer slow for good costs a probe every `slow_probe_s`. `busy` charges the
 peer one more request and reroutes; a connection error or a typed failure bans the peer until it
@@ -197,10 +197,8 @@ class StageWiring:
         self._benched: dict[bytes, float] = {}  # peer id -> until (wall clock)
         self._probe_at: dict[bytes, float] = {}  # slow peers withheld: peer id -> next probe (wall clock)
         self._probe_gap: dict[bytes, float] = {}  # peer id -> the gap to its next probe (doubling)
-        # A withheld peer's judged rate when it was withheld, its rate until a probe reply
-        # replaces it: judged meanwhile on its EMA (another measure), a peer flapped in and out
-        # of `withheld` from one call to the next, its probe gap doubling at each flap.
-        self._withheld_rate: dict[bytes, float] = {}
+        # Peers whose speed record began with a probe reply: judged on it until their window fills.
+        self._probed: set[bytes] = set()
 
     # ------------------------------------------------------------------ membership
 
@@ -227,7 +225,7 @@ class StageWiring:
         self._benched = {pid: t for pid, t in self._benched.items() if pid in fresh}
         self._probe_at = {pid: t for pid, t in self._probe_at.items() if pid in fresh}
         self._probe_gap = {pid: t for pid, t in self._probe_gap.items() if pid in fresh}
-        self._withheld_rate = {pid: r for pid, r in self._withheld_rate.items() if pid in fresh}
+        self._probed &= fresh.keys()
 
     def ban(self, peer: StagePeer, now: float, reason: str) -> bool:
         """True when this newly bans the peer (concurrent calls often fail on the same dead peer).
@@ -274,10 +272,8 @@ class StageWiring:
         slow = {pid for pid, spp in rates.items() if pace > 0 and spp > self.config.slow_factor * pace}
         for peer_id in [pid for pid in self._probe_at if pid not in slow]:
             del self._probe_at[peer_id]
-            self._withheld_rate.pop(peer_id, None)
         for peer_id in slow - self._probe_at.keys():
             self._probe_at[peer_id] = self._next_probe(peer_id, now)
-            self._withheld_rate[peer_id] = rates[peer_id]
             log.info("stage %d peer %s withheld for slowness: %.3g s a sample against the stage's pace of %.3g; "
                      "probed in %.3g s", self.stage, self._peers[peer_id].addr, rates[peer_id], pace,
                      self._probe_at[peer_id] - now)
@@ -291,14 +287,19 @@ class StageWiring:
         return now + gap
 
     def _judged_rate(self, peer_id: bytes, speed: Throughput) -> float | None:
-        """Seconds per sample that slowness is judged on: a withheld peer's probe reply (its
-        estimate alone) or, before one, the rate it was withheld at; anyone else's median of
-        `slow_window` replies; None: not judged yet."""
-        if peer_id in self._probe_at:
-            if peer_id in self._withheld_rate:
-                return self._withheld_rate[peer_id]
-            return speed.seconds_per_sample if speed.measured else None
-        return speed.recent_median()
+        """Seconds per sample that slowness is judged on: the median of the peer's last
+        `slow_window` replies once it has that many, else its probe reply's (a probe restarts
+        its record); None: not judged yet.
+
+        The same rule whether the peer is withheld or not: judged on its EMA while withheld and
+        on the median otherwise, a peer flapped in and out of `withheld` from one look to the
+        next (its probe gap doubling at each flap), and a released peer leaving the judged set
+        moved the stage's pace and withheld another, so that `usable` and `choose` at the same
+        moment disagreed and a trainer waited for ever between two usable peers."""
+        median = speed.recent_median()
+        if median is not None:
+            return median
+        return speed.seconds_per_sample if peer_id in self._probed and speed.measured else None
 
     def usable(self, now: float, benched_too: bool = False) -> list[StagePeer]:
         """Announced peers not banned, and (unless `benched_too`) not benched nor withheld for slowness."""
@@ -397,7 +398,7 @@ class StageWiring:
             return
         if pick.probe:
             self._speed.pop(peer_id, None)
-            self._withheld_rate.pop(peer_id, None)
+            self._probed.add(peer_id)
         self._measure(pick, elapsed_s)
 
     def timed_out(self, pick: Pick, elapsed_s: float, now: float) -> None:

@@ -328,6 +328,36 @@ def test_a_peer_turned_slow_stays_withheld_until_its_probe_and_its_gap_does_not_
     assert stage.withheld(NOW + 4.1) == set()
 
 
+def test_a_peer_usable_and_not_tried_is_always_picked():
+    """The trainer's `_pick` asks `usable`, then `choose` excluding the peers its call failed on.
+    On a loaded CI machine a trainer waited for ever ("stage 1 has no peers") with two live
+    peers: the wiring judged a withheld peer on one measure at one look and on another at the
+    next, so each look withheld the other peer, and `choose` (excluding the one tried) found none
+    while `usable` showed one. Over seeded random speeds, replies, probes and catch-ups: at any
+    moment, a usable peer not tried is picked, and looking twice gives the same answer."""
+    rng = random.Random(7)
+    for seed in range(200):
+        config = WiringConfig(seed=seed, slow_probe_first_s=0.5, slow_probe_s=2.0)
+        stage = stage_of("abc", config)
+        speeds = {name: rng.choice([5, 20, 100, 400]) for name in "abc"}
+        now = NOW
+        for _ in range(60):
+            now += rng.choice([0.01, 0.1, 0.6])
+            if rng.random() < 0.1:
+                speeds[rng.choice("abc")] = rng.choice([5, 20, 100, 400])
+            tried = frozenset(rng.sample([b"a", b"b", b"c"], rng.randint(0, 2)))
+            usable = {p.peer_id for p in stage.usable(now)}
+            assert stage.withheld(now) == stage.withheld(now) == {b"a", b"b", b"c"} - usable  # a look changes nothing
+            pick = stage.choose(10, Kind.FORWARD, now, tried)
+            if usable - tried:
+                assert pick is not None, (seed, usable, tried)
+            if pick is None:
+                continue
+            name = pick.peer.peer_id.decode()
+            caught_up = 0.2 if pick.probe and rng.random() < 0.3 else None
+            stage.completed(pick, 10 / speeds[name] * rng.uniform(0.5, 2.0), caught_up)
+
+
 def test_a_peer_far_slower_than_its_mates_gets_no_work_but_a_probe():
     """Steps: peers a (100 samples/s) and b (10: 10x slower, past slow_factor 4) measured; pick 50
     times; then at the probes' times pick again, b answering slow, until the gap is slow_probe_s;
