@@ -459,7 +459,12 @@ async def test_a_failing_directory_keeps_the_last_members_and_gossip_goes_on(cap
         before = [p.service.stats.exchanges_ok for p in peers]
         await until(lambda: "the directory did not answer" in caplog.text, 10, "a members refresh to fail")
         await wait_full(peers, {p.identity.peer_id for p in peers})
-        assert all(p.service.stats.exchanges_ok > b for p, b in zip(peers, before))
+        # Gossip goes on with the last members: every peer completes exchanges after the failure.
+        # (The views may be full already when it fails, so wait_full alone proves nothing new:
+        # asserted at once, a peer whose next round had not come yet failed a loaded CI run.)
+        await until(lambda: all(p.service.stats.exchanges_ok > b for p, b in zip(peers, before)), 10,
+                    "every peer to complete an exchange after the directory failed",
+                    detail=lambda: f"exchanges {[p.service.stats.exchanges_ok for p in peers]} from {before}")
         assert "the directory did not answer" in caplog.text
 
 
