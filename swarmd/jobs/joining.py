@@ -9,8 +9,8 @@ claim anyone can store), and capacity is their announced samples/s bounded by th
 (`swarmd.rebalance.table.bounded_speeds`); a peer that has measured nothing yet counts at the
 job's median measured speed (1 when none is measured), so a stage with an idle new peer still
 ranks above a stage with none. A daemon takes one stage per job, and a second one only while some
-stage of the job has no peer at all: an empty stage
-stalls the whole job, which outweighs spreading. `jobs.max_stages` bounds it all.
+stage of the job has no peer at all: an empty stage stalls the whole job, which outweighs
+spreading. `jobs.max_stages` bounds it all.
 
 What the daemon serves is remembered (`RememberedStages`) and, after a restart, rejoined first,
 whatever `jobs.serve` says (a stage pinned by hand is remembered too): by download from a live mate,

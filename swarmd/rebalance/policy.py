@@ -294,11 +294,9 @@ def choose_join_stage(table: StageTable, me: bytes = b"", min_peers: int = 1) ->
     peers joining at the same moment from the same view spread over the tied stages instead of
     piling onto the lowest index.
     """
-    def rank(stage: int) -> tuple[bool, float]:
-        return table.expected_count[stage] >= min_peers, table.expected[stage]
-
-    low = min(rank(s) for s in range(table.num_stages))
-    tied = [s for s in range(table.num_stages) if rank(s) <= low]
+    ranks = [(count >= min_peers, capacity) for count, capacity in zip(table.expected_count, table.expected)]
+    low = min(ranks)
+    tied = [s for s, rank in enumerate(ranks) if rank <= low]
     if len(tied) == 1:
         return tied[0]
     pick = int.from_bytes(hashlib.blake2b(me, digest_size=8).digest(), "little") % len(tied)
