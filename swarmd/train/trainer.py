@@ -277,6 +277,8 @@ class Trainer:
         self._resent_at: dict[tuple[int, int], float] = {}  # (stage, mb id) -> loop time
         # (stage, mb id) -> the peer that answered a re-send of it as a repeat it already holds
         self._held_by: dict[tuple[int, int], bytes] = {}
+        # (stage, mb id) -> the peer whose answer said it added the microbatch's gradient
+        self._took: dict[tuple[int, int], bytes] = {}
         self._ban_log: deque[BanRecord] = deque(maxlen=config.ban_log_kept)
         self._verify_rng = random.Random(f"verify {config.wiring.seed} {shard}")
         self._held: HeldTensors | None = None
@@ -593,7 +595,7 @@ class Trainer:
                     await asyncio.sleep(watch.pause(loop.time() - started, self.config))
         finally:
             await self._end_takeovers(watch.takeovers)
-        for table in (self._resent_at, self._held_by):
+        for table in (self._resent_at, self._held_by, self._took):
             for key in [k for k in table if k[1] in self._step_ids(step)]:
                 del table[key]
         return [watch.committed[i] for i in range(self.num_stages)]
@@ -611,7 +613,7 @@ class Trainer:
         fresh: set[int] = set()  # undone even at the last stage: started nowhere
         for i in pending:
             infos = voting[i]
-            finished = progress.committed(infos, step)
+            finished = progress.committed(infos, step) or self._taken_past(i, step, answers[i])
             self._commit_status(i, step, infos, finished, asyncio.get_running_loop().time() - watch.began)
             if finished or watch.furthest >= step + watch.lead:
                 watch.stage_past(i, finished)
@@ -622,6 +624,18 @@ class Trainer:
             undone |= here
             fresh |= here if i == self.num_stages - 1 else set()
         self._take_over(step, undone, fresh, done, watch.takeovers, own_s)
+
+    def _taken_past(self, stage: int, step: int, answers: dict[bytes, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The answers of the peers that took this trainer's microbatches of `step` at `stage`, when
+        every one of them answers past the step (else none). The stage's lower median need not
+        agree: a mate that held none of the step and has not caught up yet says nothing about
+        this trainer's work, which went into the takers' round. A taker that lies about it could
+        as well have dropped the work it was trusted with."""
+        ids = self._step_ids(step)
+        takers = {peer for (at, mb), peer in self._took.items() if at == stage and mb in ids}
+        if not takers or any(progress.as_int(answers.get(peer, {}).get("step"), -1) <= step for peer in takers):
+            return []
+        return [answers[peer] for peer in takers]
 
     @staticmethod
     async def _end_takeovers(takeovers: dict[int, asyncio.Task]) -> None:
@@ -870,6 +884,8 @@ class Trainer:
                 if problem is None:
                     wiring.completed(pick, loop.time() - started, reply.meta.get("caught_up_s"))
                     self._served[stage].add(peer.peer_id)
+                    if reply.meta.get("added") is True:
+                        self._took[(stage, mb.id)] = peer.peer_id
                     for refuser, why in attempts.refusers.values():
                         if refuser.peer_id != peer.peer_id:
                             self._ban(stage, refuser, f"refused microbatch {mb.id} of step {step} as bad_input "

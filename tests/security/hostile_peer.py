@@ -6,6 +6,8 @@ stage-mates) and lies in exactly one way, chosen by `--mode`:
 - `garbage`: its forward answers are random activations of the right shape and dtype (the checks
   a single reply can get all pass; only a second opinion catches it);
 - `nan`: the input gradients it returns and the gradient sums it brings to the all-reduce are NaN;
+  it answers a compute call only once every mate has polled it holding that call's microbatch (or
+  after `SHOWN_WAIT_S`), so its sum is a round member's before its reply gets it banned;
 - `outlier`: the gradient sums it brings to the all-reduce are multiplied by 1e3;
 - `liar`: it claims 1e9 samples/s in `stage.info` and its announcement, and is in fact slow.
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -73,11 +76,17 @@ SLOWLORIS_TRICKLE_S = 0.2
 SLOWLORIS_REDIAL_S = 0.02  # not a tight loop: the test machine's cores are shared with the swarm
 OUTLIER_SCALE = 1e3
 LIAR_DELAY_S = 0.05
+SHOWN_WAIT_S = 10.0  # the most a `nan` reply waits for its mates' polls (they may never come)
 DIRECTORY_TTL_S = 0.5  # how long its DHT reads of its stage-mates are reused
 
 
 class HostileService(StageService):
     mode = "honest"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pollers: set = set()  # `nan`: the mates (their connections) that saw it holding a sum
+        self._polled = asyncio.Event()
 
     async def forward(self, req: Request) -> Message:
         if self.mode == "liar":
@@ -91,8 +100,27 @@ class HostileService(StageService):
     async def forward_backward(self, req: Request) -> Message:
         reply = await super().forward_backward(req)
         if self.mode == "nan" and reply.tensors:
+            await self._shown_to_every_mate()
             return Message(reply.meta, [torch.full_like(reply.tensors[0], float("nan"))], codec="none")
         return reply
+
+    async def sync_progress(self, req: Request) -> Message:
+        reply = await super().sync_progress(req)
+        if self.mode == "nan" and reply.meta.get("held"):
+            self._pollers.add(req.peer.address)
+            self._polled.set()
+        return reply
+
+    async def _shown_to_every_mate(self) -> None:
+        """Until a poll from every mate has come since now and found this peer holding a sum (the
+        gradient just added): a leader's round then counts it in, whatever its reply does next."""
+        mates = len([p for p in await self.directory.peers(self.job_id, self.stage_index) if p.peer_id != self.peer_id])
+        self._pollers.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHOWN_WAIT_S):
+                while len(self._pollers) < mates:
+                    self._polled.clear()
+                    await self._polled.wait()
 
     async def backward(self, req: Request) -> Message:
         reply = await super().backward(req)
