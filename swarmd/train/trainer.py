@@ -277,8 +277,6 @@ class Trainer:
         self._resent_at: dict[tuple[int, int], float] = {}  # (stage, mb id) -> loop time
         # (stage, mb id) -> the peer that answered a re-send of it as a repeat it already holds
         self._held_by: dict[tuple[int, int], bytes] = {}
-        # (stage, mb id) -> the peer whose answer said it added the microbatch's gradient
-        self._took: dict[tuple[int, int], bytes] = {}
         self._ban_log: deque[BanRecord] = deque(maxlen=config.ban_log_kept)
         self._verify_rng = random.Random(f"verify {config.wiring.seed} {shard}")
         self._held: HeldTensors | None = None
@@ -517,11 +515,12 @@ class Trainer:
         reply, _ = await self._send_last_on(step, mb, x)
         return reply
 
-    async def _send_last_on(self, step: int, mb: Microbatch, x: torch.Tensor) -> tuple[Message, StagePeer]:
+    async def _send_last_on(self, step: int, mb: Microbatch, x: torch.Tensor,
+                            avoid: frozenset[bytes] = frozenset()) -> tuple[Message, StagePeer]:
         first = self.num_stages == 1
         return await self._call_on(self.num_stages - 1, Kind.FORWARD_BACKWARD, "stage.forward_backward", step, mb,
                                    [x, mb.targets], self.spec.wire.activations,
-                                   lambda r: check_forward_backward(r, x, first))
+                                   lambda r: check_forward_backward(r, x, first), avoid)
 
     async def _send_backward(self, stage: int, step: int, mb: Microbatch, x: torch.Tensor,
                              grad: torch.Tensor) -> Message:
@@ -529,9 +528,9 @@ class Trainer:
         return reply
 
     async def _send_backward_on(self, stage: int, step: int, mb: Microbatch, x: torch.Tensor,
-                                grad: torch.Tensor) -> tuple[Message, StagePeer]:
+                                grad: torch.Tensor, avoid: frozenset[bytes] = frozenset()) -> tuple[Message, StagePeer]:
         return await self._call_on(stage, Kind.BACKWARD, "stage.backward", step, mb, [x, grad],
-                                   self.spec.wire.gradients, lambda r: check_backward(r, x, stage == 0))
+                                   self.spec.wire.gradients, lambda r: check_backward(r, x, stage == 0), avoid)
 
     # ------------------------------------------------------------------ commit
 
@@ -595,7 +594,7 @@ class Trainer:
                     await asyncio.sleep(watch.pause(loop.time() - started, self.config))
         finally:
             await self._end_takeovers(watch.takeovers)
-        for table in (self._resent_at, self._held_by, self._took):
+        for table in (self._resent_at, self._held_by):
             for key in [k for k in table if k[1] in self._step_ids(step)]:
                 del table[key]
         return [watch.committed[i] for i in range(self.num_stages)]
@@ -613,7 +612,7 @@ class Trainer:
         fresh: set[int] = set()  # undone even at the last stage: started nowhere
         for i in pending:
             infos = voting[i]
-            finished = progress.committed(infos, step) or self._taken_past(i, step, answers[i])
+            finished = progress.committed(infos, step)
             self._commit_status(i, step, infos, finished, asyncio.get_running_loop().time() - watch.began)
             if finished or watch.furthest >= step + watch.lead:
                 watch.stage_past(i, finished)
@@ -624,18 +623,6 @@ class Trainer:
             undone |= here
             fresh |= here if i == self.num_stages - 1 else set()
         self._take_over(step, undone, fresh, done, watch.takeovers, own_s)
-
-    def _taken_past(self, stage: int, step: int, answers: dict[bytes, dict[str, Any]]) -> list[dict[str, Any]]:
-        """The answers of the peers that took this trainer's microbatches of `step` at `stage`, when
-        every one of them answers past the step (else none). The stage's lower median need not
-        agree: a mate that held none of the step and has not caught up yet says nothing about
-        this trainer's work, which went into the takers' round. A taker that lies about it could
-        as well have dropped the work it was trusted with."""
-        ids = self._step_ids(step)
-        takers = {peer for (at, mb), peer in self._took.items() if at == stage and mb in ids}
-        if not takers or any(progress.as_int(answers.get(peer, {}).get("step"), -1) <= step for peer in takers):
-            return []
-        return [answers[peer] for peer in takers]
 
     @staticmethod
     async def _end_takeovers(takeovers: dict[int, asyncio.Task]) -> None:
@@ -682,7 +669,12 @@ class Trainer:
         for mb in [mb for mb in lost if
                    progress.as_int(answers.get(self._held_by.get((stage, mb)), {}).get("step"), -1) == step]:
             del lost[mb]  # its holder answered at this step: the reports lag what it holds
-        await self._resend(stage, step, [(by_id[mb], why) for mb, why in sorted(lost.items())])
+        # A peer past the step committed it: a re-send there is answered as a replay and adds
+        # nothing to the step its mates still need (each went to the fastest peer, the one that
+        # committed alone, and was resent every resend_grace_s while its mates, which held nothing,
+        # waited resume_after_s to believe it: docs/trainer.md).
+        past = frozenset(peer for peer, info in answers.items() if progress.as_int(info.get("step"), -1) > step)
+        await self._resend(stage, step, [(by_id[mb], why) for mb, why in sorted(lost.items())], past)
 
     def _commit_status(self, stage: int, step: int, infos: list[dict[str, Any]], done: list, waited: float) -> None:
         """Say so when a stage takes long to commit: a stage-wide step that does not come is what
@@ -695,7 +687,8 @@ class Trainer:
                                              f"{self.config.commit_status_after_s:g}+ s "
                                              f"({len(infos)} peers answered, {uncovered} microbatches uncovered)")
 
-    async def _resend(self, stage: int, step: int, lost: list[tuple[_Done, str]]) -> None:
+    async def _resend(self, stage: int, step: int, lost: list[tuple[_Done, str]],
+                      past: frozenset[bytes] = frozenset()) -> None:
         now = asyncio.get_running_loop().time()
         for done, why in lost:
             key = (stage, done.mb_id)
@@ -709,8 +702,8 @@ class Trainer:
             x, grad = kept[stage]
             x = mb.inputs if stage == 0 else x
             try:
-                reply, peer = await (self._send_last_on(step, mb, x) if stage == self.num_stages - 1
-                                     else self._send_backward_on(stage, step, mb, x, grad))
+                reply, peer = await (self._send_last_on(step, mb, x, past) if stage == self.num_stages - 1
+                                     else self._send_backward_on(stage, step, mb, x, grad, past))
             except _Stale:
                 pass  # the stage committed meanwhile: nothing is missing any more
             else:
@@ -838,15 +831,17 @@ class Trainer:
 
     async def _call_on(self, stage: int, kind: Kind, method: str, step: int, mb: Microbatch,
                        tensors: list[torch.Tensor], codec: str,
-                       check: Callable[[Message], str | None]) -> tuple[Message, StagePeer]:
+                       check: Callable[[Message], str | None],
+                       avoid: frozenset[bytes] = frozenset()) -> tuple[Message, StagePeer]:
         """The call's reply, and which peer gave it. A backward or forward_backward that timed out
         is tried once more on the same peer first: if the first attempt did complete there, the
-        peer answers the repeat without adding it twice, where another peer would add it again."""
+        peer answers the repeat without adding it twice, where another peer would add it again.
+        Peers in `avoid` count as tried already: picked only once every other peer failed."""
         samples = len(mb.sample_indices)
         meta = {"job": self.job_id, "stage": stage, "step": step, "mb": mb.id, "samples": samples}
         ceiling = self.config.forward_timeout_s if kind is Kind.FORWARD else self.config.backward_timeout_s
         wiring = self.wiring[stage]
-        attempts = _Attempts()
+        attempts = _Attempts(tried=set(avoid))
         again: bytes | None = None
         loop = asyncio.get_running_loop()
         while True:
@@ -884,8 +879,6 @@ class Trainer:
                 if problem is None:
                     wiring.completed(pick, loop.time() - started, reply.meta.get("caught_up_s"))
                     self._served[stage].add(peer.peer_id)
-                    if reply.meta.get("added") is True:
-                        self._took[(stage, mb.id)] = peer.peer_id
                     for refuser, why in attempts.refusers.values():
                         if refuser.peer_id != peer.peer_id:
                             self._ban(stage, refuser, f"refused microbatch {mb.id} of step {step} as bad_input "
