@@ -137,7 +137,7 @@ def join_stage(stages: list[dict[str, Any]], me: bytes, min_peers: int = 1) -> i
 class Joining:
     def __init__(self, registry: JobRegistry, serving: Any, memory: RememberedStages, *, peer_id: bytes,
                  serve: str | frozenset[str], max_stages: int, interval_s: float, rejoin_wait_s: float,
-                 settle_s: float, min_stage_peers: int = 1, supervisor: Supervisor | None = None) -> None:
+                 settle_s: float, min_stage_peers: int, supervisor: Supervisor | None = None) -> None:
         self.registry, self.serving, self.memory = registry, serving, memory
         self.peer_id, self.rule, self.max_stages = peer_id, serve, max_stages
         self.interval_s, self.rejoin_wait_s, self.settle_s = interval_s, rejoin_wait_s, settle_s

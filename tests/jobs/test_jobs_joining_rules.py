@@ -188,7 +188,8 @@ class FailingServing:
 
 def joining_over(registry: OneJob, serving: FailingServing, faults: Faults) -> Joining:
     return Joining(registry, serving, None, peer_id=b"p" * 32, serve="all", max_stages=4, interval_s=0.01,
-                   rejoin_wait_s=60.0, settle_s=0.0, supervisor=Supervisor("joining", faults, Backoff(0.01, 0.01)))
+                   rejoin_wait_s=60.0, settle_s=0.0, min_stage_peers=1,
+                   supervisor=Supervisor("joining", faults, Backoff(0.01, 0.01)))
 
 
 @pytest.mark.parametrize("error", [Busy("over jobs.max_stage_memory"), ConnectionLost("reset"), OSError("disk"),

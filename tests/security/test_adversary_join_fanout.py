@@ -72,7 +72,7 @@ async def test_a_hundred_unservable_jobs_cost_a_bounded_join_tick(caplog):
     100 reads, 100 starts and 100 warnings a tick)."""
     registry, serving = Registry(), Serving()
     joining = Joining(registry, serving, None, peer_id=b"p" * 32, serve="all", max_stages=4, interval_s=5.0,
-                      rejoin_wait_s=60.0, settle_s=0.0)
+                      rejoin_wait_s=60.0, settle_s=0.0, min_stage_peers=1)
     with caplog.at_level(logging.DEBUG, logger="swarmd.jobs.joining"):
         for _ in range(3):
             await joining.tick()
@@ -88,7 +88,7 @@ async def test_the_tries_go_round_every_job(monkeypatch):
     ceil(100 / MAX_JOIN_TRIES_PER_TICK) ticks, none twice meanwhile."""
     registry, serving = Registry(), Serving()
     joining = Joining(registry, serving, None, peer_id=b"p" * 32, serve="all", max_stages=4, interval_s=5.0,
-                      rejoin_wait_s=60.0, settle_s=0.0)
+                      rejoin_wait_s=60.0, settle_s=0.0, min_stage_peers=1)
     tried: list[bytes] = []
 
     async def serve(job_spec, job_id, stage, *, submitter):
